@@ -1,0 +1,5 @@
+import sys
+
+from splitflash.cli.main import main
+
+sys.exit(main())

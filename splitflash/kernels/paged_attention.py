@@ -1,0 +1,231 @@
+"""Triton paged verify/decode attention: split-KV flash-decoding with a reduction pass.
+
+Grid: (num_splits, B * m_tiles, H_KV). One program owns one request, one KV head, one tile of
+BLOCK_M query rows and one contiguous range of keys. Rows are (query, group head) pairs
+flattened as r = i * G + g, so every query head sharing a KV head reads that K/V tile once
+(GQA). Keys are addressed per token through the page table, so any page size works. The
+ancestor mask is computed from anc_bits for keys of the drafted block (the last q_len keys);
+prefix keys are never masked. Softmax statistics and accumulation are fp32.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from splitflash.kernels.online_softmax import attend_tile
+from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, check_paged_inputs
+from splitflash.kernels.split_combine import combine_splits
+from splitflash.kernels.tuning import (
+    INTERPRETER_CONFIG,
+    autotuned,
+    config_set_for,
+    device_facts,
+    interpreter_active,
+    kv_bucket,
+    next_pow2,
+    plan_splits,
+    q_bucket,
+)
+
+_LOG2E = 1.4426950408889634
+_INTERPRETER_SMS = 4  # pretend SM count so interpreter runs exercise several splits
+
+
+@triton.jit
+def _load_kv_tile(
+    k_ptr, v_ptr, pages_ptr, n0, end, kv_head,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Token positions t [BLOCK_N] from n0 and their K, V [BLOCK_N, BLOCK_D] (zeros past end),
+    read through the request's page-table row pages_ptr."""
+    t = n0 + tl.arange(0, BLOCK_N)
+    t_ok = t < end
+    page = tl.load(pages_ptr + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+    slot = t % PAGE
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = t_ok[:, None] & (offs_d < D)[None, :]
+    k_off = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
+    v_off = page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :]
+    k = tl.load(k_ptr + k_off + kv_head * stride_kh, mask=mask, other=0.0)
+    v = tl.load(v_ptr + v_off + kv_head * stride_vh, mask=mask, other=0.0)
+    if UPCAST:  # the interpreter's bf16 is broken: fp32 right after the load
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return t, k, v
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,  # [N, H, D]
+    k_ptr,  # [P, S, H_KV, D]
+    v_ptr,  # [P, S, H_KV, D]
+    page_table_ptr,  # [B, max_pages] int32
+    kv_lens_ptr,  # [B]
+    cu_q_ptr,  # [B+1]
+    anc_ptr,  # [N] int64
+    out_ptr,  # [N, H, D] (written when DIRECT_OUT: a single split)
+    part_out_ptr,  # [N, H, num_splits, D] fp32
+    part_lse_ptr,  # [N, H, num_splits] fp32
+    qk_scale,  # scale * log2(e): softmax in base 2
+    stride_qn, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    max_pages, split_len, num_splits, m_tiles,
+    KV_BUCKET, Q_BUCKET, CC,  # autotune keys only
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(0)
+    b = tl.program_id(1) // m_tiles
+    m_tile = tl.program_id(1) % m_tiles
+    kv_head = tl.program_id(2)
+    q0 = tl.load(cu_q_ptr + b).to(tl.int32)
+    q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q0
+    if m_tile * BLOCK_M >= q_len * G:
+        return  # this request has fewer rows than the widest one in the batch
+    kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
+    prefix = kv_len - q_len
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    qi = rows // G
+    head = kv_head * G + rows % G
+    row_ok = qi < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q_ptrs = q_ptr + (q0 + qi)[:, None] * stride_qn + head[:, None] * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    anc = tl.load(anc_ptr + q0 + qi, mask=row_ok, other=0)  # [BLOCK_M] int64
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile stays nan-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+    # Prefix keys: visible to every row, no mask work beyond the range check.
+    for n0 in range(start, tl.minimum(end, prefix), BLOCK_N):
+        t, k, v = _load_kv_tile(
+            k_ptr, v_ptr, page_table_ptr + b * max_pages, n0, tl.minimum(end, prefix), kv_head,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
+        )  # fmt: skip
+        visible = (t < tl.minimum(end, prefix))[None, :]
+        m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
+    # Block keys (at most 64, so at most a tile or two): ancestor mask. Node j = t - prefix
+    # is visible to a row iff bit j of the row's anc_bits is set.
+    for n0 in range(tl.maximum(start, prefix), end, BLOCK_N):
+        t, k, v = _load_kv_tile(
+            k_ptr, v_ptr, page_table_ptr + b * max_pages, n0, end, kv_head,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
+        )  # fmt: skip
+        j = tl.minimum(tl.maximum(t - prefix, 0), 63).to(tl.int64)
+        bit = (anc[:, None] >> j[None, :]) & 1
+        visible = (t < end)[None, :] & (bit != 0)  # [BLOCK_M, BLOCK_N]
+        m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if DIRECT_OUT:
+        dst = out_ptr + ((q0 + qi) * H + head)[:, None] * D + offs_d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        part = ((q0 + qi) * H + head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], o, mask=o_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@lru_cache(maxsize=8)
+def _tuned_kernel(set_name: str):
+    # CC is in the key as well as in the set choice: one process may drive mixed GPUs.
+    key = ["KV_BUCKET", "Q_BUCKET", "CC", "D", "G", "PAGE", "BLOCK_M", "DIRECT_OUT"]
+    return autotuned(_paged_attn_kernel, set_name, key)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [N, H, D]
+    k_pages: torch.Tensor,  # [P, S, H_KV, D]
+    v_pages: torch.Tensor,  # [P, S, H_KV, D]
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    kv_lens: torch.Tensor,  # [B] int32
+    cu_q: torch.Tensor,  # [B+1] int32
+    anc_bits: torch.Tensor,  # [N] int64
+    scale: float,
+    *,
+    max_kv_len: int | None = None,
+    max_q_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [N, H, D]
+    """Same contract as paged_attention_ref. max_kv_len / max_q_len are upper bounds the
+    caller usually knows (scheduler); passing them avoids a device->host sync. num_splits
+    overrides the split heuristic (tests, benchmarks)."""
+    group = check_paged_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits)
+    if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
+        raise ValueError("k_pages / v_pages must be contiguous in the head dim")
+    n_rows, n_heads, head_dim = q.shape
+    n_req = page_table.shape[0]
+    n_kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]
+    out = torch.empty_like(q)
+    if n_rows == 0 or n_req == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    page_table = page_table.contiguous()
+    if max_kv_len is None:
+        max_kv_len = int(kv_lens.max())
+    if max_q_len is None:
+        max_q_len = int((cu_q[1:] - cu_q[:-1]).max())
+    if not 1 <= max_q_len <= MAX_Q_LEN:
+        raise ValueError(f"q_len must be in 1..{MAX_Q_LEN}, got max {max_q_len}")
+
+    interp = interpreter_active()
+    if interp or not q.is_cuda:
+        cap, sm_count = (0, 0), _INTERPRETER_SMS
+    else:
+        cap, sm_count = device_facts(q.device.index or 0)
+    # Rows per tile: all (query, group head) rows of a request up to 64; more rows take
+    # more tiles (64 x D fp32 accumulators is what fits registers at 4 warps).
+    block_m = min(max(16, next_pow2(max_q_len * group)), 64)
+    m_tiles = -(-max_q_len * group // block_m)
+    plan = plan_splits(max_kv_len, n_req * m_tiles * n_kv_heads, sm_count, num_splits)
+    direct = plan.num_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused by the kernel
+    else:
+        part_out = torch.empty(n_rows, n_heads, plan.num_splits, head_dim,
+                               device=q.device, dtype=torch.float32)  # fmt: skip
+        part_lse = torch.empty(n_rows, n_heads, plan.num_splits,
+                               device=q.device, dtype=torch.float32)  # fmt: skip
+    upcast = interp or q.dtype == torch.float32
+    args = (
+        q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, out, part_out, part_lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        page_table.shape[1], plan.split_len, plan.num_splits, m_tiles,
+        kv_bucket(max_kv_len), q_bucket(max_q_len), cap[0] * 10 + cap[1],
+    )  # fmt: skip
+    meta = dict(
+        H=n_heads, G=group, D=head_dim, PAGE=page_size, BLOCK_M=block_m,
+        BLOCK_D=max(16, next_pow2(head_dim)), DIRECT_OUT=direct, UPCAST=upcast,
+        DOT_IEEE=upcast,
+    )  # fmt: skip
+    grid = (plan.num_splits, n_req * m_tiles, n_kv_heads)
+    if interp:
+        block_n, warps, stages = INTERPRETER_CONFIG
+        _paged_attn_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
+                                 num_stages=stages)  # fmt: skip
+    else:
+        _tuned_kernel(config_set_for(cap))[grid](*args, **meta)
+    if not direct:
+        combine_splits(part_out, part_lse, out)
+    return out

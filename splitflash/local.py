@@ -1,0 +1,67 @@
+"""One process, no sockets: the target engine and a drafter in a loop (the `generate` CLI
+and the oracles in the tests). The services run the same steps over ZeroMQ."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from splitflash.services.common.spec_stats import SpecStats
+from splitflash.services.verify.engine import TargetEngine, VerifyInput
+from splitflash.services.verify.sampling import Sampling
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    stats: SpecStats
+    seconds: float
+    violations: list[str] = field(default_factory=list)
+    finish_reason: str = "length"
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+def generate_local(
+    engine: TargetEngine,
+    drafter,
+    prompt_ids: list[int],
+    max_tokens: int,
+    sampling: Sampling = Sampling(),
+    stop_ids=(),
+    block_size: int = 8,
+) -> Generation:
+    """Generate up to max_tokens; drafter None = target-only decoding."""
+    rid = uuid.uuid4().hex
+    t0 = time.perf_counter()
+    stats = SpecStats()
+    violations: list[str] = []
+    report = engine.prefill(rid, prompt_ids, sampling, stop_ids, max_tokens)
+    out = list(report.outcome.committed)
+    try:
+        if drafter is not None:
+            drafter.open(rid, prompt_ids)
+            drafter.extend(rid, out, len(prompt_ids) + len(out))
+        finished = report.finished
+        while not finished:
+            base_len = len(prompt_ids) + len(out)
+            drafts = drafter.propose(rid, block_size - 1) if drafter is not None else []
+            (report,) = engine.verify([VerifyInput(rid, base_len, drafts, max_tokens - len(out))])
+            if report.error:
+                raise RuntimeError(report.error)
+            o = report.outcome
+            stats.record(o.draft_tokens, o.draft_tokens, o.accepted_drafts, o.commit_len)
+            violations.extend(report.violations)
+            out.extend(o.committed)
+            if drafter is not None:
+                drafter.extend(rid, o.committed, len(prompt_ids) + len(out))
+            finished = report.finished
+    finally:
+        engine.release(rid)
+        if drafter is not None:
+            drafter.release(rid)
+    reason = "stop" if out and out[-1] in set(stop_ids) else "length"
+    return Generation(out, stats, time.perf_counter() - t0, violations, reason)

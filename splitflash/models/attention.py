@@ -1,0 +1,90 @@
+"""Attention over the paged KV cache, behind one backend interface.
+
+Every forward is a batch of requests, each with q_len new tokens whose K/V were just written
+at the end of its sequence. The prefix is always visible in full; only the new block is
+masked (causal, or by an ancestor bitmask for token trees). No dense mask over the prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("splitflash.attention")
+
+MAX_TREE_Q = 64  # ancestor bitmasks are int64 rows
+
+
+@dataclass
+class AttentionMeta:
+    """Batch layout for one forward (B requests, N new tokens in all)."""
+
+    cu_q: torch.Tensor  # [B+1] int32 prefix sums of q_len
+    kv_lens: torch.Tensor  # [B] int32 keys per request, new block included
+    page_table: torch.Tensor  # [B, max_pages] int32
+    anc_bits: torch.Tensor | None  # [N] int64 (tree/chain, q_len <= 64) or None = causal
+    q_lens: list[int]
+    kv_lens_list: list[int]
+
+
+def causal_bits(q_lens: list[int], device=None) -> torch.Tensor:
+    """Ancestor bits of chains: node i sees nodes 0..i. [N] int64."""
+    rows = [(1 << (i + 1)) - 1 if i < 63 else -1 for q in q_lens for i in range(q)]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _gather(pages: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:
+    """pages [P, S, H_KV, D] -> the first n tokens of one request: [n, H_KV, D]."""
+    size = pages.shape[1]
+    used = table_row[: -(-n // size)].long()
+    return pages.index_select(0, used).reshape(-1, *pages.shape[2:])[:n]
+
+
+def causal_attention_torch(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMeta, scale
+) -> torch.Tensor:
+    """Causal attention for long blocks (prefill). q [N, H, D] -> [N, H, D].
+
+    A block longer than 64 only comes from prefill; when it has no prefix (the usual case)
+    the causal mask is implicit. With a prefix (a prompt continued in chunks) the mask is
+    [q_len, kv_len], paid once per chunk, never per decode step.
+    """
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_pages.shape[2]
+    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens_list, strict=True)):
+        lo = int(meta.cu_q[b])
+        qb = q[lo : lo + q_len].transpose(0, 1)  # [H, T, D]
+        k = _gather(k_pages, meta.page_table[b], kv_len).transpose(0, 1)  # [H_KV, L, D]
+        v = _gather(v_pages, meta.page_table[b], kv_len).transpose(0, 1)
+        k = k.repeat_interleave(group, 0).to(q.dtype)
+        v = v.repeat_interleave(group, 0).to(q.dtype)
+        if kv_len == q_len:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale)
+        else:
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+            mask[:, kv_len - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        out[lo : lo + q_len] = o.transpose(0, 1)
+    return out
+
+
+class PagedAttention:
+    """The attention backend: Triton kernels on CUDA, the torch references on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        from splitflash.kernels import paged_attention
+
+        self._block_attention = paged_attention
+        self.name = "triton" if device.type == "cuda" else "torch-reference"
+        log.info("attention backend: %s (device %s)", self.name, device)
+
+    def __call__(self, q, k_pages, v_pages, meta: AttentionMeta, scale: float) -> torch.Tensor:
+        if meta.anc_bits is None and max(meta.q_lens) > MAX_TREE_Q:
+            return causal_attention_torch(q, k_pages, v_pages, meta, scale)
+        bits = meta.anc_bits if meta.anc_bits is not None else causal_bits(meta.q_lens, q.device)
+        return self._block_attention(
+            q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q, bits, scale
+        )

@@ -1,0 +1,189 @@
+"""The DFlash drafter: one non-causal forward pass fills a block [anchor, MASK x (B-1)].
+
+Shapes: N requests, T block length, K target feature layers, D hidden, H / H_KV heads,
+hd head dim, V vocab. Context features of committed tokens enter the draft KV cache once
+(`append_context`); each `draft` reads that cache, never recomputes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from splitflash.models.dflash.cache import (
+    TORCH_ATTENTION,
+    AttentionBackend,
+    DFlashDesyncError,
+    DFlashState,
+    LayerKV,
+)
+from splitflash.models.dflash.config import DFlashConfig
+from splitflash.models.dflash.layers import DFlashDecoderLayer, RMSNorm, rope_cos_sin
+from splitflash.models.dflash.policy import (
+    LayerPolicy,
+    WindowOverride,
+    build_policy,
+    policy_info,
+    policy_string,
+)
+
+
+class _Shared:
+    """Target modules the drafter uses but does not own (kept out of state_dict / .to())."""
+
+    def __init__(self, embed_tokens: nn.Embedding, lm_head_weight: torch.Tensor) -> None:
+        self.embed_tokens = embed_tokens
+        self.lm_head_weight = lm_head_weight  # [V, D]
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding,
+                 lm_head_weight: torch.Tensor, *, window_override: WindowOverride = "checkpoint",
+                 attention_backend: AttentionBackend = TORCH_ATTENTION) -> None:
+        super().__init__()
+        self.config = config
+        self.window_override = window_override
+        self.backend = attention_backend
+        self.policy: list[LayerPolicy] = build_policy(config, window_override, attention_backend)
+        self.layers = nn.ModuleList(
+            DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        d = config.hidden_size
+        self.fc = nn.Linear(config.feature_dim, d, bias=False)  # [D, K*D]
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.attach_shared(embed_tokens, lm_head_weight)
+
+    def attach_shared(self, embed_tokens: nn.Embedding, lm_head_weight: torch.Tensor) -> None:
+        """Use the target's embedding [V, D] and LM head weight [V, D] (shared, frozen)."""
+        v, d = self.config.vocab_size, self.config.hidden_size
+        if not isinstance(embed_tokens, nn.Embedding) or tuple(embed_tokens.weight.shape) != (v, d):
+            raise ValueError(
+                f"embed_tokens must be the target's nn.Embedding of shape [{v}, {d}], got "
+                f"{getattr(getattr(embed_tokens, 'weight', None), 'shape', embed_tokens)}"
+            )
+        if not torch.is_tensor(lm_head_weight) or tuple(lm_head_weight.shape) != (v, d):
+            raise ValueError(f"lm_head_weight must be a [{v}, {d}] tensor (the target's head)")
+        # Frozen and shared: no gradients, no copies, not part of this module's state_dict.
+        embed_tokens.weight.requires_grad_(False)
+        self._shared = _Shared(embed_tokens, lm_head_weight.detach())
+
+    # ---- policy --------------------------------------------------------------------------
+    def policy_summary(self) -> list[LayerPolicy]:
+        return list(self.policy)
+
+    def policy_string(self) -> str:
+        return policy_string(self.config, self.policy, self.window_override)
+
+    def policy_info(self) -> dict[str, str]:
+        return policy_info(self.config, self.policy, self.window_override, self.backend)
+
+    def _fingerprint(self) -> tuple:
+        return (id(self), tuple(self.policy))
+
+    # ---- state ---------------------------------------------------------------------------
+    def new_state(self) -> DFlashState:
+        w = self.fc.weight
+        cfg = self.config
+        layers = [LayerKV(p.window, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
+                  for p in self.policy]
+        return DFlashState(layers=layers, layer_kinds=[p.kind for p in self.policy],
+                           fingerprint=self._fingerprint(),
+                           keys_read_last=[0] * len(self.policy))
+
+    def _check_state(self, state: DFlashState) -> None:
+        if state.fingerprint != self._fingerprint():
+            raise DFlashDesyncError("DFlash state was created by another drafter or policy")
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.fc.weight.dtype)
+
+    @torch.no_grad()
+    def append_context(self, state: DFlashState, features: torch.Tensor, start_pos: int) -> None:
+        """Commit target features [n, K*D] of the tokens at start_pos .. start_pos + n - 1.
+
+        Called once per committed token: fc -> hidden_norm -> each layer's W_K / W_V
+        (+ k_norm, RoPE at the absolute position) into that layer's cache.
+        """
+        self._check_state(state)
+        if start_pos != state.n_ctx:
+            raise DFlashDesyncError(
+                f"append_context desync: features start at position {start_pos} but the "
+                f"drafter holds {state.n_ctx} context tokens (expected start_pos == {state.n_ctx})"
+            )
+        if features.dim() != 2 or features.shape[1] != self.config.feature_dim:
+            raise ValueError(
+                f"features must be [n, K*D] = [n, {self.config.feature_dim}], got "
+                f"{tuple(features.shape)}"
+            )
+        n = features.shape[0]
+        if n == 0:
+            return
+        w = self.fc.weight
+        ctx = self.hidden_norm(self.fc(features.to(device=w.device, dtype=w.dtype)))  # [n, D]
+        cos, sin = self._rope(torch.arange(start_pos, start_pos + n, device=w.device))
+        for layer, kv in zip(self.layers, state.layers, strict=True):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)  # [n, H_KV, hd]
+            kv.write(k, v, start_pos)
+        state.n_ctx += n
+
+    @torch.no_grad()
+    def draft(self, state: DFlashState, anchor_token_id: int, anchor_pos: int,
+              block_size: int | None = None) -> torch.Tensor:
+        """Logits [block_size - 1, V] for block positions 1 .. B-1."""
+        return self.draft_batch([state], [anchor_token_id], [anchor_pos], block_size)[0]
+
+    @torch.no_grad()
+    def draft_batch(self, states: Sequence[DFlashState], anchor_token_ids: Sequence[int],
+                    anchor_positions: Sequence[int],
+                    block_size: int | None = None) -> torch.Tensor:
+        """One forward pass for N requests -> logits [N, block_size - 1, V]."""
+        cfg = self.config
+        t = cfg.block_size if block_size is None else block_size
+        if not 2 <= t <= cfg.block_size:
+            # A drafter trained at B can run at a smaller block, never a larger one.
+            raise ValueError(f"block_size must be in [2, {cfg.block_size}], got {t}")
+        if not (len(states) == len(anchor_token_ids) == len(anchor_positions)) or not states:
+            raise ValueError("draft_batch needs one anchor token and position per state (N >= 1)")
+        for state, tok, pos in zip(states, anchor_token_ids, anchor_positions, strict=True):
+            self._check_state(state)
+            if pos != state.n_ctx:
+                raise DFlashDesyncError(
+                    f"draft desync: anchor at position {pos} but the drafter holds "
+                    f"{state.n_ctx} context tokens (the anchor must follow the context)"
+                )
+            if not 0 <= int(tok) < cfg.vocab_size:
+                raise ValueError(f"anchor token {tok} outside the vocab [0, {cfg.vocab_size})")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("draft_batch got the same state twice")
+        w = self.fc.weight
+        ids = torch.full((len(states), t), cfg.mask_token_id, dtype=torch.long, device=w.device)
+        ids[:, 0] = torch.as_tensor([int(a) for a in anchor_token_ids], device=w.device)
+        emb = self._shared.embed_tokens(ids.to(self._shared.embed_tokens.weight.device))
+        h = (emb.to(device=w.device, dtype=w.dtype) * cfg.input_embedding_scale)  # [N, T, D]
+        pos = torch.as_tensor(list(anchor_positions), device=w.device)[:, None] + torch.arange(
+            t, device=w.device)  # [N, T]
+        cos, sin = self._rope(pos)  # [N, T, hd]
+        reads = [[0] * len(self.layers) for _ in states]
+        for li, (layer, pol) in enumerate(zip(self.layers, self.policy, strict=True)):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.project_q(x, cos, sin)  # [N, T, H, hd]
+            k, v = attn.project_kv(x, cos, sin)  # [N, T, H_KV, hd]
+            outs = []
+            for r, state in enumerate(states):
+                kv = state.layers[li]
+                o, n_read = self.backend.fn(q[r], kv.k, kv.v, state.n_ctx, pol.window,
+                                            k[r], v[r], cfg.is_causal)
+                outs.append(o)  # [T, H, hd]
+                reads[r][li] = n_read
+            h = h + attn.o_proj(torch.stack(outs).flatten(-2))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for state, r in zip(states, reads, strict=True):
+            state.keys_read_last = r
+        h = self.norm(h[:, 1:])  # the anchor's own position needs no logits
+        head = self._shared.lm_head_weight
+        return h.to(device=head.device, dtype=head.dtype) @ head.T  # [N, T-1, V]

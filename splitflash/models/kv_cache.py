@@ -1,0 +1,146 @@
+"""Paged KV cache: a pool of fixed-size pages shared by all requests, one page table each.
+
+Pages hold S tokens of K and V for every layer. A request owns a list of page ids and a
+length; appending reserves pages, rolling back drops the KV of rejected positions and returns
+pages no longer needed. Freed pages go back on a stack so that a roll back restores exactly
+the earlier allocator state (the next append gets the same pages again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KVPoolFullError(RuntimeError):
+    """The pool has fewer free pages than an append needs."""
+
+
+class UnknownSequenceError(KeyError):
+    pass
+
+
+@dataclass
+class SequenceKV:
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # tokens whose K/V are stored
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, H_KV, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Stack of free pages, popped from the end: low ids first for a fresh pool.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.seqs: dict[str, SequenceKV] = {}
+
+    # --- allocator -------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def add(self, seq_id: str) -> None:
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already has KV")
+        self.seqs[seq_id] = SequenceKV()
+
+    def seq(self, seq_id: str) -> SequenceKV:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(f"no KV for request {seq_id!r}") from None
+
+    def can_reserve(self, needs: dict[str, int]) -> bool:
+        """Whether every sequence in `needs` can grow to its new length at once."""
+        extra = sum(
+            max(0, self.pages_for(n) - len(self.seq(s).pages)) for s, n in needs.items()
+        )
+        return extra <= len(self._free)
+
+    def reserve(self, seq_id: str, new_length: int) -> None:
+        """Make room for `new_length` tokens (the caller then writes and sets the length)."""
+        seq = self.seq(seq_id)
+        need = self.pages_for(new_length) - len(seq.pages)
+        if need > len(self._free):
+            raise KVPoolFullError(
+                f"KV pool full: request {seq_id!r} needs {need} more page(s) of "
+                f"{self.page_size} tokens, {len(self._free)} of {self.num_pages} free "
+                "(raise the page count, e.g. SPLITFLASH_VERIFY_KV_PAGES, or lower the load)"
+            )
+        for _ in range(max(0, need)):
+            seq.pages.append(self._free.pop())
+
+    def truncate(self, seq_id: str, new_length: int) -> None:
+        """Roll back: forget tokens past `new_length` and return pages no longer needed."""
+        seq = self.seq(seq_id)
+        if not 0 <= new_length <= max(seq.length, self.page_size * len(seq.pages)):
+            raise ValueError(f"cannot truncate {seq_id!r} of length {seq.length} to {new_length}")
+        keep = self.pages_for(new_length)
+        while len(seq.pages) > keep:
+            self._free.append(seq.pages.pop())
+        seq.length = min(seq.length, new_length)
+
+    def free(self, seq_id: str) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            while seq.pages:
+                self._free.append(seq.pages.pop())
+
+    # --- tensors ---------------------------------------------------------------------
+    def slots(self, seq_id: str, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids (page * S + offset) of positions [start, end): [end - start]."""
+        pages = torch.tensor(self.seq(seq_id).pages, dtype=torch.long)
+        pos = torch.arange(start, end)
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def page_table(self, seq_ids: list[str], device=None) -> torch.Tensor:
+        """[B, max_pages] int32, padded with 0 (never read: kv_lens bound the reads)."""
+        width = max([len(self.seq(s).pages) for s in seq_ids] + [1])
+        table = torch.zeros((len(seq_ids), width), dtype=torch.int32)
+        for row, seq_id in enumerate(seq_ids):
+            pages = self.seq(seq_id).pages
+            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return table.to(device or self.k.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [N, H_KV, D] written at flat slots [N]."""
+        self.k[layer].view(-1, *self.k.shape[3:])[slots] = k.to(self.k.dtype)
+        self.v[layer].view(-1, *self.v.shape[3:])[slots] = v.to(self.v.dtype)
+
+    def move(self, seq_id: str, src_positions: list[int], dst_start: int) -> None:
+        """Copy the K/V of `src_positions` to consecutive positions from `dst_start`, every
+        layer (tree verification keeps the accepted path, compacted in depth order)."""
+        if not src_positions:
+            return
+        src = self.slots_of(seq_id, src_positions)
+        dst = self.slots(seq_id, dst_start, dst_start + len(src_positions))
+        for cache in (self.k, self.v):
+            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+            flat[:, dst] = flat[:, src].clone()
+
+    def slots_of(self, seq_id: str, positions: list[int]) -> torch.Tensor:
+        pages = torch.tensor(self.seq(seq_id).pages, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size

@@ -1,0 +1,177 @@
+"""The target model: Llama / Qwen3 decoder in the gpt-fast style over a paged KV cache.
+
+One forward runs a batch of requests of different lengths, their new tokens flattened into
+one [N] row so every linear layer is one GEMM; attention goes through the paged backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitflash.models.attention import AttentionMeta, PagedAttention
+from splitflash.models.config import TargetConfig
+from splitflash.models.kv_cache import PagedKVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as HF does) so low-precision runs keep the same statistics.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [N] -> cos, sin [N, 1, head_dim] (HF rotate-half layout)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_dim, kv_dim, kv_dim)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer: int, cache: PagedKVCache, slots, meta, backend):
+        n = x.shape[0]  # x [N, D]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(n, self.cfg.num_heads, self.cfg.head_dim)
+        k = k.view(n, self.cfg.num_kv_heads, self.cfg.head_dim)
+        v = v.view(n, self.cfg.num_kv_heads, self.cfg.head_dim)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, slots, k, v)
+        o = backend(q, cache.k[layer], cache.v[layer], meta, self.cfg.head_dim**-0.5)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.hidden = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.hidden, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+@dataclass
+class ForwardBatch:
+    """What one forward needs besides the weights (N new tokens of B requests)."""
+
+    token_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long
+    slots: torch.Tensor  # [N] long, flat KV slot of each new token
+    meta: AttentionMeta
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [R, V] fp32, rows chosen by logits_rows
+    hidden: torch.Tensor | None  # [N, len(layer_ids) * D] or None
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._backend: PagedAttention | None = None
+
+    @property
+    def backend(self) -> PagedAttention:
+        if self._backend is None:
+            self._backend = PagedAttention(self.embed_tokens.weight.device)
+        return self._backend
+
+    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up as this model stores them."""
+        own: dict[str, torch.Tensor] = {}
+        for i in range(self.cfg.num_layers):
+            p = f"layers.{i}."
+            own[p + "self_attn.qkv_proj.weight"] = torch.cat(
+                [state.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            )
+            own[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                [state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")]
+            )
+        own.update(state)
+        if self.cfg.tie_word_embeddings:
+            own.pop("lm_head.weight", None)
+            own["lm_head.weight"] = own["embed_tokens.weight"]
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing = [m for m in missing if not m.startswith("_")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        logits_rows: torch.Tensor | None = None,
+        hidden_layer_ids: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """hidden_layer_ids: layer i means the output of decoder layer i (0-based)."""
+        x = self.embed_tokens(batch.token_ids)  # [N, D]
+        cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn(
+                layer.input_layernorm(x), cos, sin, i, cache, batch.slots, batch.meta, self.backend
+            )
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in hidden_layer_ids:
+                captured[i] = x
+        rows = x if logits_rows is None else x[logits_rows]
+        logits = self.lm_head(self.norm(rows)).float()
+        hidden = torch.cat([captured[i] for i in hidden_layer_ids], -1) if captured else None
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+
+def build_target(cfg: TargetConfig, state: dict, dtype=torch.float32, device="cpu"):
+    model = TargetModel(cfg)
+    model.load_hf_state(dict(state))
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,233 @@
+"""DEALER-side calls: request/reply matched by call_id, each with a timeout; the handshake.
+
+`Client` (blocking; e.g. verify's data-plane link to draft) and `AsyncClient` (asyncio;
+the gateway) are not thread-safe, like the zmq sockets they wrap: one owner each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from splitflash.protocol.codec import Codec, probe_protocol_version
+from splitflash.protocol.errors import PeerTimeout, ProtocolError, ProtocolMismatch, RemoteError
+from splitflash.protocol.messages import PROTOCOL_VERSION, Error, ErrorCode, Hello, HelloReply
+from splitflash.protocol.sockets import (
+    Frames,
+    Incoming,
+    MalformedFrame,
+    async_dealer_send,
+    dealer_send,
+    parse,
+    recv,
+)
+
+log = logging.getLogger(__name__)
+Reply = tuple[Any, list[zmq.Frame]]
+
+
+def _ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000))
+
+
+def _checked(inc: Incoming, expect: type | None) -> Reply:
+    """The reply, or RemoteError for an Error when a specific type was expected."""
+    if expect is not None and not isinstance(inc.msg, expect):
+        if isinstance(inc.msg, Error):
+            raise RemoteError(inc.msg.code, inc.msg.message, inc.msg.request_id)
+        raise ProtocolError(f"expected {expect.__name__}, got {type(inc.msg).__name__}")
+    return inc.msg, inc.frames
+
+
+class _CallIds:
+    """8-byte call ids, unique per client (a late reply can never match a newer call)."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def new(self) -> bytes:
+        return next(self._next).to_bytes(8, "big")
+
+
+class Client:
+    """Blocking calls over one DEALER. Late replies to timed-out calls are dropped and counted."""
+
+    def __init__(self, sock: zmq.Socket, requests: Codec[Any], responses: Codec[Any], *,
+                 on_stale: Callable[[], None] | None = None) -> None:
+        self.sock = sock
+        self.requests = requests
+        self.responses = responses
+        self._on_stale = on_stale
+        self._ids = _CallIds()
+
+    def call(self, msg: Any, frames: Frames = (), *, timeout_s: float,
+             expect: type | None = None) -> Reply:
+        """Send `msg` (+ tensor frames) and return (reply, reply frames) within `timeout_s`.
+
+        With `expect`, an Error reply raises RemoteError and another type ProtocolError.
+        A reply this side cannot decode raises MalformedFrame (a ProtocolError).
+        """
+        call_id = self._ids.new()
+        deadline = time.monotonic() + timeout_s
+        dealer_send(self.sock, call_id, msg, self.requests, frames, timeout_ms=_ms(timeout_s))
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                inc = recv(self.sock, self.responses, router=False, timeout_ms=_ms(left))
+            except PeerTimeout:
+                raise PeerTimeout(
+                    f"no reply to {type(msg).__name__} within {timeout_s:.3f} s"
+                ) from None
+            except MalformedFrame as e:
+                if e.call_id == call_id:
+                    raise
+                self._stale(e.call_id)
+                continue
+            if inc.call_id == call_id:
+                return _checked(inc, expect)
+            self._stale(inc.call_id)
+
+    def _stale(self, call_id: bytes) -> None:
+        log.debug("dropping a reply to call %s, which is no longer waited for", call_id.hex())
+        if self._on_stale is not None:
+            self._on_stale()
+
+
+class AsyncClient:
+    """asyncio calls over one DEALER; many may be in flight at once (one reader task routes
+    each reply to its call by call_id). Close with `aclose()`."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, requests: Codec[Any], responses: Codec[Any],
+                 *, on_stale: Callable[[], None] | None = None) -> None:
+        self.sock = sock
+        self.requests = requests
+        self.responses = responses
+        self._on_stale = on_stale
+        self._ids = _CallIds()
+        self._pending: dict[bytes, asyncio.Future[Incoming]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def call(self, msg: Any, frames: Frames = (), *, timeout_s: float,
+                   expect: type | None = None) -> Reply:
+        """As `Client.call`; cancelling the awaiting task abandons the call cleanly."""
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read_replies(), name="zmq-reply-reader")
+        call_id = self._ids.new()
+        fut: asyncio.Future[Incoming] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = fut
+        try:
+            async with asyncio.timeout(timeout_s):
+                await async_dealer_send(self.sock, call_id, msg, self.requests, frames,
+                                        timeout_ms=_ms(timeout_s))
+                inc = await fut
+        except TimeoutError:
+            raise PeerTimeout(
+                f"no reply to {type(msg).__name__} within {timeout_s:.3f} s"
+            ) from None
+        finally:
+            self._pending.pop(call_id, None)
+        return _checked(inc, expect)
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                frames = await self.sock.recv_multipart(copy=False)
+                self._route(frames)
+        except BaseException as e:
+            # Socket closed, client closing or a bug here: nobody will answer the calls still
+            # waiting, so fail them now rather than let each run into its timeout.
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(ProtocolError(f"reply reader stopped: {e!r}"))
+            if not isinstance(e, zmq.ZMQError | asyncio.CancelledError):
+                log.exception("reply reader failed")
+            if not isinstance(e, zmq.ZMQError):
+                raise
+
+    def _route(self, frames: list[zmq.Frame]) -> None:
+        try:
+            inc = parse(frames, self.responses, router=False)
+        except MalformedFrame as e:
+            fut = self._pending.get(e.call_id)
+            if fut is not None and not fut.done():
+                fut.set_exception(e)
+            else:
+                self._stale(e.call_id)
+            return
+        fut = self._pending.get(inc.call_id)
+        if fut is None or fut.done():
+            self._stale(inc.call_id)
+        else:
+            fut.set_result(inc)
+
+    def _stale(self, call_id: bytes) -> None:
+        log.debug("dropping a reply to call %s, which is no longer waited for", call_id.hex())
+        if self._on_stale is not None:
+            self._on_stale()
+
+    async def aclose(self) -> None:
+        """Stop the reader (failing calls still waiting); the socket stays the caller's."""
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+
+
+# ------------------------------------------------------------------ handshake
+
+
+def make_hello(service: str, peer_id: str, wants_target_layers: Sequence[int] = ()) -> Hello:
+    return Hello(protocol_version=PROTOCOL_VERSION, service=service, peer_id=peer_id,
+                 wants_target_layers=list(wants_target_layers))
+
+
+def check_hello_reply(reply: Any) -> HelloReply:
+    """The HelloReply, or ProtocolMismatch / RemoteError naming what went wrong."""
+    if isinstance(reply, HelloReply):
+        if reply.protocol_version != PROTOCOL_VERSION:
+            raise ProtocolMismatch(
+                f"{reply.service} speaks protocol version {reply.protocol_version}, "
+                f"this side speaks {PROTOCOL_VERSION}",
+                local_version=PROTOCOL_VERSION, remote_version=reply.protocol_version)
+        return reply
+    if isinstance(reply, Error):
+        if reply.code == ErrorCode.PROTOCOL_VERSION:
+            raise ProtocolMismatch(f"peer refused protocol version {PROTOCOL_VERSION}: "
+                                   f"{reply.message}", local_version=PROTOCOL_VERSION,
+                                   remote_version=None)
+        raise RemoteError(reply.code, reply.message, reply.request_id)
+    raise ProtocolError(f"expected HelloReply to Hello, got {type(reply).__name__}")
+
+
+def _mismatch_from_undecodable(e: MalformedFrame) -> ProtocolMismatch | None:
+    remote = probe_protocol_version(e.payload) if e.payload is not None else None
+    if remote is None or remote == PROTOCOL_VERSION:
+        return None
+    return ProtocolMismatch(
+        f"peer replied with protocol version {remote} (unreadable here: {e}), "
+        f"this side speaks {PROTOCOL_VERSION}",
+        local_version=PROTOCOL_VERSION, remote_version=remote)
+
+
+def handshake(client: Client, hello: Hello, *, timeout_s: float) -> HelloReply:
+    """Send Hello, wait for HelloReply; ProtocolMismatch (both versions named) if refused."""
+    try:
+        reply, _ = client.call(hello, timeout_s=timeout_s)
+    except MalformedFrame as e:
+        raise (_mismatch_from_undecodable(e) or e) from e
+    return check_hello_reply(reply)
+
+
+async def async_handshake(client: AsyncClient, hello: Hello, *, timeout_s: float) -> HelloReply:
+    try:
+        reply, _ = await client.call(hello, timeout_s=timeout_s)
+    except MalformedFrame as e:
+        raise (_mismatch_from_undecodable(e) or e) from e
+    return check_hello_reply(reply)

@@ -1,0 +1,296 @@
+"""What the metrics mean and how they combine: the metric catalogue and the pooled math.
+
+Pure data and functions (no prometheus_client). `METRICS` lists every metric the services
+export (metrics.py registers them; the dashboard tests check every PromQL name against it).
+The pooled-statistics functions define what the dashboards compute from the counters
+(tests/unit/test_metrics.py evaluates the dashboards' PromQL on synthetic counters and
+compares), and the response's `speculative_decoding_stats` (services/common/spec_stats.py)
+must agree with them, so a response and a dashboard cannot drift apart.
+
+Terms (DESIGN.md §4), per request and per verify step:
+  K = draft_tokens, a = accepted_drafts, d = accepted_depth (root = 0), c = commit_len.
+Pooled figures only, never averages of per-request averages:
+  mean commit_len = sum(c) / steps, acceptance rate = sum(a) / sum(K),
+  acceptance at position i = steps with a > i / steps that drafted a node at position i.
+Positions are 0-based: position i is the draft node at depth i + 1 (vLLM's convention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+# Context-length buckets of step timings; k = 1024 tokens. Upper edges are inclusive.
+CONTEXT_BUCKETS: tuple[str, ...] = ("<=2k", "<=8k", "<=32k", "<=128k", ">128k")
+_BUCKET_EDGES: tuple[tuple[int, str], ...] = (
+    (2 * 1024, "<=2k"),
+    (8 * 1024, "<=8k"),
+    (32 * 1024, "<=32k"),
+    (128 * 1024, "<=128k"),
+)
+
+# Invariant label values of splitflash_spec_invariant_violations_total. The per-step names
+# are those verify/acceptance.check_invariants returns; the last two are checked elsewhere.
+INVARIANTS: tuple[str, ...] = (
+    "accepted_range",  # 0 <= a <= deepest drafted node
+    "depth_equals_accepted",  # d == a
+    "commit_len",  # c == a + 1 (c <= a + 1 when the request finished inside the step)
+    "accepted_le_drafted",  # a <= K
+    "streamed_equals_committed",  # gateway: tokens streamed == sum(c)
+    "kv_length",  # either side's KV length != the committed length in the message
+)
+
+
+PREFIX = "splitflash_"
+PHASES: tuple[str, ...] = ("draft", "verify", "transport", "schedule")
+FALLBACK_REASONS: tuple[str, ...] = ("drafter_down", "deadline", "disabled", "error")
+LAYER_KINDS: tuple[str, ...] = ("sliding", "full")
+MAX_POSITIONS = 16  # block size up to 16: positions 0..15 pre-created, deeper ones on demand
+
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+STEP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+STEP_BUCKETS += (1.0, 2.5, 5.0, 10.0)
+COMMIT_LEN_BUCKETS = tuple(float(n) for n in range(1, 18))  # c is an integer in 1..B+1
+
+
+Labels = tuple[tuple[str, tuple[str, ...]], ...]  # (label, values created up front)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    kind: str  # counter | gauge | histogram | info
+    doc: str
+    labels: Labels = ()
+    buckets: tuple[float, ...] = ()
+
+
+_BUCKET = ("context_bucket", CONTEXT_BUCKETS)
+_POSITION = ("position", tuple(str(i) for i in range(MAX_POSITIONS)))
+_LAZY: tuple[str, ...] = ()  # values not known in advance: children appear on first use
+
+
+def _d(kind: str, doc: str, *labels: tuple[str, tuple[str, ...]], buckets=()) -> MetricDef:
+    return MetricDef(kind, doc, labels, tuple(buckets))
+
+
+# The metric catalogue: name (without PREFIX; units in the name) -> type, meaning, labels.
+# Pure data, so the services (metrics.py) and the dashboard tests read the same list.
+METRICS = MappingProxyType(
+    {
+        # -- every service (ServiceMetrics)
+        "service_busy_seconds": _d(
+            "counter", "Seconds spent working, not waiting; rate() = busy fraction.",
+            ("service", _LAZY),
+        ),
+        "protocol_errors": _d(
+            "counter", "Malformed, unknown or refused frames answered with an Error reply.",
+            ("service", _LAZY), ("code", _LAZY),
+        ),
+        "spec_invariant_violations": _d(
+            "counter", "Failed speculative-decoding invariant checks (DESIGN.md §4).",
+            ("invariant", INVARIANTS),
+        ),
+        # -- pooled speculative decoding, one update per request per verify step (SpecMetrics)
+        "spec_verify_steps": _d(
+            "counter", "Request-steps, plain (fallback) steps included: pooled denominator.",
+            _BUCKET,
+        ),
+        "spec_draft_tokens": _d("counter", "Draft tokens proposed (K), in tokens.", _BUCKET),
+        "spec_accepted_tokens": _d("counter", "Draft tokens accepted (a), in tokens.", _BUCKET),
+        "spec_accepted_tokens_per_pos": _d(
+            "counter", "Steps whose accepted path reached this 0-based position (depth - 1).",
+            _POSITION,
+        ),
+        "spec_drafted_per_pos": _d(
+            "counter", "Steps that drafted a node at this 0-based position (per-position "
+            "acceptance denominator).", _POSITION,
+        ),
+        "spec_commit_len": _d(
+            "histogram", "Tokens committed per request-step: accepted drafts + 1 bonus.",
+            buckets=COMMIT_LEN_BUCKETS,
+        ),
+        "spec_truncated_steps": _d(
+            "counter", "Request-steps cut short (c < a + 1) because the request finished."
+        ),
+        "spec_fallback_steps": _d(
+            "counter", "Request-steps run as plain target decode: drafter down, past its "
+            "deadline, disabled (by request or server), or failed.",
+            ("reason", FALLBACK_REASONS),
+        ),
+        # -- gateway
+        "requests": _d(
+            "counter", "HTTP requests finished, by endpoint path and status code.",
+            ("endpoint", _LAZY), ("status", _LAZY),
+        ),
+        "request_seconds": _d(
+            "histogram", "Request wall time, arrival to last byte, seconds.",
+            ("endpoint", _LAZY), buckets=REQUEST_BUCKETS,
+        ),
+        "ttft_seconds": _d(
+            "histogram", "Time to first token from arrival, seconds.", buckets=TOKEN_BUCKETS
+        ),
+        "inter_token_seconds": _d(
+            "histogram", "Gap between consecutive streamed tokens of a request, seconds (a "
+            "c-token commit gives c-1 zero gaps and one step gap).", buckets=TOKEN_BUCKETS,
+        ),
+        "running_requests": _d("gauge", "Requests in the running batch."),
+        "waiting_requests": _d("gauge", "Requests queued, not yet admitted."),
+        "generated_tokens": _d(
+            "counter", "Tokens streamed to clients (== sum of commit_len), by request context.",
+            _BUCKET,
+        ),
+        "step_seconds": _d(
+            "histogram", "Wall time of one batched decode step, seconds; context_bucket = "
+            "longest context in the batch.", _BUCKET, buckets=STEP_BUCKETS,
+        ),
+        "step_phase_seconds": _d(
+            "histogram", "Time of one phase of a decode step, seconds: draft/verify = worker "
+            "compute, transport = round trips minus compute, schedule = gateway bookkeeping.",
+            ("phase", PHASES), buckets=STEP_BUCKETS,
+        ),
+        "step_phase_by_context_seconds": _d(
+            "histogram", "step_phase_seconds by the batch's longest-context bucket, seconds.",
+            ("phase", PHASES), _BUCKET, buckets=STEP_BUCKETS,
+        ),
+        # -- draft service
+        "draft_steps": _d("counter", "Drafts made, one per request per step.", _BUCKET),
+        "draft_kv_keys_read": _d(
+            "counter", "Context keys the drafter's attention read, summed over the layers of "
+            "one kind; per draft = rate(this) / rate(draft_steps_total).",
+            ("layer_kind", LAYER_KINDS), _BUCKET,
+        ),
+        "draft_attention_policy": _d(
+            "info", "Attention policy in force per drafter layer: kind (sliding/full), window "
+            "(tokens; 'none' when full), source (checkpoint/override).", ("layer", _LAZY),
+        ),
+        "draft_attention_policy_mismatch": _d(
+            "gauge", "1 when the attention policy in force differs from the checkpoint's."
+        ),
+        "draft_sliding_keys_bound": _d(
+            "gauge", "Most context keys one draft may read over all sliding layers (sum of W)."
+        ),
+        # -- verify service
+        "verify_kv_bytes_read": _d(
+            "counter", "Bytes of KV cache plus weights read by verify forwards; context_bucket "
+            "= longest context in the batch (the step_seconds rule).", _BUCKET,
+        ),
+        "kv_pages_used": _d("gauge", "KV cache pages in use."),
+        "kv_pages_total": _d("gauge", "KV cache pages allocated."),
+    }
+)  # fmt: skip
+
+
+POLICY_INFO_KEYS = ("kind", "window", "source")  # value labels of the policy Info
+
+
+# Series a metric type exports (prometheus_client's exposition; counters' family names
+# drop "_total"; "_created" is the client's creation timestamp).
+SERIES_SUFFIXES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "info": ("_info",),
+        "gauge": ("",),
+    }
+)
+
+
+def series_labels() -> dict[str, frozenset[str]]:
+    """Every series name the catalogue exports -> its label names ("le" on buckets)."""
+    out: dict[str, frozenset[str]] = {}
+    for name, d in METRICS.items():
+        labels = frozenset(label for label, _ in d.labels)
+        if d.kind == "info":  # an Info's value keys are labels of its one series
+            labels |= frozenset(POLICY_INFO_KEYS)
+        for suffix in SERIES_SUFFIXES[d.kind]:
+            out[PREFIX + name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+    return out
+
+
+def context_bucket(n_tokens: int) -> str:
+    """Bucket label of a context of `n_tokens` tokens (e.g. 2048 -> "<=2k", 2049 -> "<=8k")."""
+    if n_tokens < 0:
+        raise ValueError(f"context length must be >= 0, got {n_tokens}")
+    for edge, label in _BUCKET_EDGES:
+        if n_tokens <= edge:
+            return label
+    return CONTEXT_BUCKETS[-1]
+
+
+def _add_positions(counts: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """counts with 1 added at positions 0..n-1, grown as needed."""
+    grown = counts + (0,) * max(0, n - len(counts))
+    return tuple(v + 1 if i < n else v for i, v in enumerate(grown))
+
+
+def _sum_positions(x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, ...]:
+    n = max(len(x), len(y))
+    x, y = x + (0,) * (n - len(x)), y + (0,) * (n - len(y))
+    return tuple(p + q for p, q in zip(x, y, strict=True))
+
+
+@dataclass(frozen=True)
+class SpecTotals:
+    """Pooled counts over any set of steps (one request, one batch, a whole server)."""
+
+    steps: int = 0
+    draft_tokens: int = 0  # sum(K)
+    accepted_drafts: int = 0  # sum(a)
+    committed_tokens: int = 0  # sum(c)
+    accepted_per_pos: tuple[int, ...] = ()  # [i] = steps with a > i
+    drafted_per_pos: tuple[int, ...] = ()  # [i] = steps that drafted a node at position i
+
+    def add(self, draft_tokens: int, max_depth: int, accepted: int, commit_len: int) -> SpecTotals:
+        """These totals plus one request-step; max_depth = deepest drafted node (chain: K).
+
+        A plain target step without drafts counts too (K = 0, c = 1): it is a verify step and
+        its token is streamed, so leaving it out would break tokens streamed == sum(c).
+        """
+        return SpecTotals(
+            steps=self.steps + 1,
+            draft_tokens=self.draft_tokens + draft_tokens,
+            accepted_drafts=self.accepted_drafts + accepted,
+            committed_tokens=self.committed_tokens + commit_len,
+            accepted_per_pos=_add_positions(self.accepted_per_pos, accepted),
+            drafted_per_pos=_add_positions(self.drafted_per_pos, max_depth),
+        )
+
+    def merge(self, other: SpecTotals) -> SpecTotals:
+        """Pool two sets of steps (e.g. two requests) by adding their counts."""
+        return SpecTotals(
+            steps=self.steps + other.steps,
+            draft_tokens=self.draft_tokens + other.draft_tokens,
+            accepted_drafts=self.accepted_drafts + other.accepted_drafts,
+            committed_tokens=self.committed_tokens + other.committed_tokens,
+            accepted_per_pos=_sum_positions(self.accepted_per_pos, other.accepted_per_pos),
+            drafted_per_pos=_sum_positions(self.drafted_per_pos, other.drafted_per_pos),
+        )
+
+
+def pool(parts: Iterable[SpecTotals]) -> SpecTotals:
+    """Pooled totals of many requests: counts are added, never their ratios averaged."""
+    total = SpecTotals()
+    for part in parts:
+        total = total.merge(part)
+    return total
+
+
+def mean_commit_len(t: SpecTotals) -> float:
+    """sum(c) / steps: tokens committed per verify step, bonus included (0.0 with no steps)."""
+    return t.committed_tokens / t.steps if t.steps else 0.0
+
+
+def acceptance_rate(t: SpecTotals) -> float:
+    """sum(a) / sum(K): fraction of proposed draft tokens accepted (0.0 with no drafts)."""
+    return t.accepted_drafts / t.draft_tokens if t.draft_tokens else 0.0
+
+
+def per_position_acceptance(t: SpecTotals) -> tuple[float, ...]:
+    """[i] = steps with a > i / steps that drafted position i (0.0 where none drafted)."""
+    accepted = t.accepted_per_pos + (0,) * (len(t.drafted_per_pos) - len(t.accepted_per_pos))
+    return tuple(
+        (acc / drafted if drafted else 0.0)
+        for acc, drafted in zip(accepted, t.drafted_per_pos, strict=False)
+    )

@@ -1,0 +1,209 @@
+"""The target engine: the target model, its paged KV cache and per-request decoding state.
+
+No sockets here: the verify server and the one-process CLI both drive this. Invariant kept
+for every request: the KV cache holds every committed token but the last one, which is the
+anchor of the next step (so kv_len == committed_len - 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from splitflash.models.attention import AttentionMeta
+from splitflash.models.kv_cache import PagedKVCache
+from splitflash.models.target import ForwardBatch, TargetModel
+from splitflash.services.verify.acceptance import (
+    StepOutcome,
+    accept_chain_greedy,
+    accept_chain_sampled,
+    check_invariants,
+    truncate_outcome,
+)
+from splitflash.services.verify.sampling import Sampling, make_generator, target_probs
+
+
+class DesyncError(RuntimeError):
+    """The caller's committed length disagrees with the target's KV: never guessed around."""
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    tokens: list[int]  # committed tokens: prompt + generated
+    sampling: Sampling
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+
+
+@dataclass
+class StepReport:
+    request_id: str
+    outcome: StepOutcome | None
+    committed_len: int  # after the step
+    violations: list[str] = field(default_factory=list)
+    features: torch.Tensor | None = None  # [a+1 (or prompt len), F] of the kept positions
+    feature_start: int = 0  # position of the first feature row
+    finished: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    request_id: str
+    base_len: int  # committed length the caller believes
+    draft_ids: list[int]
+    max_commit: int  # tokens the request may still produce
+
+
+class TargetEngine:
+    def __init__(
+        self,
+        model: TargetModel,
+        cache: PagedKVCache,
+        feature_layer_ids: tuple[int, ...] = (),
+        max_context: int | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.feature_layer_ids = feature_layer_ids
+        self.max_context = max_context or model.cfg.max_position_embeddings
+        self.seqs: dict[str, Sequence] = {}
+        self.device = model.embed_tokens.weight.device
+
+    # --- lifecycle -------------------------------------------------------------------
+    def release(self, request_id: str) -> bool:
+        self.cache.free(request_id)
+        return self.seqs.pop(request_id, None) is not None
+
+    def _batch(self, spans: list[tuple[str, list[int], int]]) -> ForwardBatch:
+        """spans: (request_id, new tokens, first position); KV already reserved."""
+        ids, positions, slots = [], [], []
+        q_lens, kv_lens = [], []
+        for seq_id, toks, start in spans:
+            ids.extend(toks)
+            positions.extend(range(start, start + len(toks)))
+            slots.append(self.cache.slots(seq_id, start, start + len(toks)))
+            q_lens.append(len(toks))
+            kv_lens.append(start + len(toks))
+        dev = self.device
+        cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        meta = AttentionMeta(
+            cu_q=cu_q.to(dev),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
+            page_table=self.cache.page_table([s[0] for s in spans], dev),
+            anc_bits=None,
+            q_lens=q_lens,
+            kv_lens_list=kv_lens,
+        )
+        return ForwardBatch(
+            token_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slots=torch.cat(slots).to(dev),
+            meta=meta,
+        )
+
+    def _next_token(self, seq: Sequence, logits: torch.Tensor) -> int:
+        if seq.sampling.greedy:
+            return int(logits.argmax())
+        probs = target_probs(logits[None], seq.sampling)[0]
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    # --- prefill ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self, request_id: str, prompt: list[int], sampling: Sampling, stop_ids, max_commit: int
+    ) -> StepReport:
+        """Run the prompt, commit the first token. The prompt must fit the context."""
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if len(prompt) + 1 > self.max_context:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds context {self.max_context}")
+        if request_id in self.seqs:
+            raise ValueError(f"request {request_id!r} already exists")
+        self.cache.add(request_id)
+        try:
+            self.cache.reserve(request_id, len(prompt))
+        except Exception:
+            self.cache.free(request_id)
+            raise
+        batch = self._batch([(request_id, prompt, 0)])
+        rows = torch.tensor([len(prompt) - 1], device=self.device)
+        out = self.model(batch, self.cache, rows, self.feature_layer_ids)
+        self.cache.seq(request_id).length = len(prompt)
+        seq = Sequence(
+            request_id, list(prompt), sampling, make_generator(sampling.seed), frozenset(stop_ids)
+        )
+        self.seqs[request_id] = seq
+        token = self._next_token(seq, out.logits[0])
+        seq.tokens.append(token)
+        finished = token in seq.stop_ids or max_commit <= 1
+        outcome = StepOutcome([token], 0, 0, 0, [])
+        return StepReport(request_id, outcome, len(seq.tokens), [], out.hidden, 0, finished)
+
+    # --- verify ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def verify(self, items: list[VerifyInput]) -> list[StepReport]:
+        """One batched forward over [anchor + drafts] of every request, then acceptance."""
+        reports: dict[str, StepReport] = {}
+        spans = []
+        for item in items:
+            seq = self.seqs.get(item.request_id)
+            if seq is None:
+                reports[item.request_id] = StepReport(
+                    item.request_id, None, 0, error=f"unknown request {item.request_id!r}"
+                )
+                continue
+            kv_len = self.cache.seq(item.request_id).length
+            if item.base_len != len(seq.tokens) or kv_len != len(seq.tokens) - 1:
+                raise DesyncError(
+                    f"request {item.request_id!r}: caller says {item.base_len} committed, "
+                    f"target has {len(seq.tokens)} committed and KV length {kv_len}"
+                )
+            # Drafts past the context or past the request's budget cannot be committed.
+            room = min(self.max_context - len(seq.tokens), item.max_commit - 1)
+            drafts = item.draft_ids[: max(0, room)]
+            block = [seq.tokens[-1]] + drafts
+            try:
+                self.cache.reserve(item.request_id, kv_len + len(block))
+            except Exception as exc:  # pool full: this request fails, the batch goes on
+                reports[item.request_id] = StepReport(item.request_id, None, 0, error=str(exc))
+                continue
+            spans.append((item.request_id, block, kv_len, item.max_commit))
+        if spans:
+            self._verify_spans(spans, reports)
+        return [reports[i.request_id] for i in items]
+
+    def _verify_spans(self, spans, reports: dict[str, StepReport]) -> None:
+        batch = self._batch([(rid, block, start) for rid, block, start, _ in spans])
+        out = self.model(batch, self.cache, None, self.feature_layer_ids)
+        lo = 0
+        for rid, block, kv_len, max_commit in spans:
+            seq = self.seqs[rid]
+            logits = out.logits[lo : lo + len(block)]  # [K+1, V]
+            drafts = block[1:]
+            if seq.sampling.greedy:
+                outcome = accept_chain_greedy(drafts, logits)
+            else:
+                probs = target_probs(logits, seq.sampling)
+                outcome = accept_chain_sampled(drafts, probs, seq.generator)
+            outcome = truncate_outcome(outcome, max_commit, seq.stop_ids)
+            finished = outcome.commit_len < outcome.accepted_drafts + 1 or (
+                outcome.committed[-1] in seq.stop_ids or outcome.commit_len >= max_commit
+            )
+            kept = outcome.accepted_drafts + 1  # anchor + accepted drafts stay in the KV
+            self.cache.seq(rid).length = kv_len + kept
+            self.cache.truncate(rid, kv_len + kept)
+            seq.tokens.extend(outcome.committed)
+            feats = None if out.hidden is None else out.hidden[lo : lo + kept]
+            reports[rid] = StepReport(
+                rid,
+                outcome,
+                len(seq.tokens),
+                check_invariants(outcome, len(drafts), finished),
+                feats,
+                kv_len,
+                finished,
+            )
+            lo += len(block)
