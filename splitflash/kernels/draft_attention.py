@@ -114,7 +114,8 @@ def _draft_attn_kernel(
     # One program per (request, split) counts, so the sum is keys read per request and head.
     if COUNT_READS and kv_head == 0 and m_tile == 0:
         tl.atomic_add(keys_read_ptr + r, n_loaded)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l = 0: the split saw no visible key
+    o = acc / l_safe[:, None]
     o_mask = row_ok[:, None] & d_ok[None, :]
     if DIRECT_OUT:
         tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :],
@@ -122,7 +123,7 @@ def _draft_attn_kernel(
     else:
         part = q_rows * num_splits + split
         tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], o, mask=o_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 

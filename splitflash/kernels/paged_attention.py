@@ -132,7 +132,8 @@ def _paged_attn_kernel(
         visible = (t < end)[None, :] & (bit != 0)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l = 0: the split saw no visible key
+    o = acc / l_safe[:, None]
     o_mask = row_ok[:, None] & d_ok[None, :]
     if DIRECT_OUT:
         dst = out_ptr + ((q0 + qi) * H + head)[:, None] * D + offs_d[None, :]
@@ -140,7 +141,7 @@ def _paged_attn_kernel(
     else:
         part = ((q0 + qi) * H + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], o, mask=o_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 

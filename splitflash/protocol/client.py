@@ -59,16 +59,23 @@ class _CallIds:
 class Client:
     """Blocking calls over one DEALER. Late replies to timed-out calls are dropped and counted."""
 
-    def __init__(self, sock: zmq.Socket, requests: Codec[Any], responses: Codec[Any], *,
-                 on_stale: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        requests: Codec[Any],
+        responses: Codec[Any],
+        *,
+        on_stale: Callable[[], None] | None = None,
+    ) -> None:
         self.sock = sock
         self.requests = requests
         self.responses = responses
         self._on_stale = on_stale
         self._ids = _CallIds()
 
-    def call(self, msg: Any, frames: Frames = (), *, timeout_s: float,
-             expect: type | None = None) -> Reply:
+    def call(
+        self, msg: Any, frames: Frames = (), *, timeout_s: float, expect: type | None = None
+    ) -> Reply:
         """Send `msg` (+ tensor frames) and return (reply, reply frames) within `timeout_s`.
 
         With `expect`, an Error reply raises RemoteError and another type ProtocolError.
@@ -104,8 +111,14 @@ class AsyncClient:
     """asyncio calls over one DEALER; many may be in flight at once (one reader task routes
     each reply to its call by call_id). Close with `aclose()`."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, requests: Codec[Any], responses: Codec[Any],
-                 *, on_stale: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        requests: Codec[Any],
+        responses: Codec[Any],
+        *,
+        on_stale: Callable[[], None] | None = None,
+    ) -> None:
         self.sock = sock
         self.requests = requests
         self.responses = responses
@@ -114,8 +127,9 @@ class AsyncClient:
         self._pending: dict[bytes, asyncio.Future[Incoming]] = {}
         self._reader: asyncio.Task[None] | None = None
 
-    async def call(self, msg: Any, frames: Frames = (), *, timeout_s: float,
-                   expect: type | None = None) -> Reply:
+    async def call(
+        self, msg: Any, frames: Frames = (), *, timeout_s: float, expect: type | None = None
+    ) -> Reply:
         """As `Client.call`; cancelling the awaiting task abandons the call cleanly."""
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read_replies(), name="zmq-reply-reader")
@@ -124,8 +138,9 @@ class AsyncClient:
         self._pending[call_id] = fut
         try:
             async with asyncio.timeout(timeout_s):
-                await async_dealer_send(self.sock, call_id, msg, self.requests, frames,
-                                        timeout_ms=_ms(timeout_s))
+                await async_dealer_send(
+                    self.sock, call_id, msg, self.requests, frames, timeout_ms=_ms(timeout_s)
+                )
                 inc = await fut
         except TimeoutError:
             raise PeerTimeout(
@@ -134,6 +149,11 @@ class AsyncClient:
         finally:
             self._pending.pop(call_id, None)
         return _checked(inc, expect)
+
+    @property
+    def in_flight(self) -> int:
+        """Calls sent and still waiting for their reply."""
+        return len(self._pending)
 
     async def _read_replies(self) -> None:
         try:
@@ -184,8 +204,12 @@ class AsyncClient:
 
 
 def make_hello(service: str, peer_id: str, wants_target_layers: Sequence[int] = ()) -> Hello:
-    return Hello(protocol_version=PROTOCOL_VERSION, service=service, peer_id=peer_id,
-                 wants_target_layers=list(wants_target_layers))
+    return Hello(
+        protocol_version=PROTOCOL_VERSION,
+        service=service,
+        peer_id=peer_id,
+        wants_target_layers=list(wants_target_layers),
+    )
 
 
 def check_hello_reply(reply: Any) -> HelloReply:
@@ -195,13 +219,17 @@ def check_hello_reply(reply: Any) -> HelloReply:
             raise ProtocolMismatch(
                 f"{reply.service} speaks protocol version {reply.protocol_version}, "
                 f"this side speaks {PROTOCOL_VERSION}",
-                local_version=PROTOCOL_VERSION, remote_version=reply.protocol_version)
+                local_version=PROTOCOL_VERSION,
+                remote_version=reply.protocol_version,
+            )
         return reply
     if isinstance(reply, Error):
         if reply.code == ErrorCode.PROTOCOL_VERSION:
-            raise ProtocolMismatch(f"peer refused protocol version {PROTOCOL_VERSION}: "
-                                   f"{reply.message}", local_version=PROTOCOL_VERSION,
-                                   remote_version=None)
+            raise ProtocolMismatch(
+                f"peer refused protocol version {PROTOCOL_VERSION}: {reply.message}",
+                local_version=PROTOCOL_VERSION,
+                remote_version=None,
+            )
         raise RemoteError(reply.code, reply.message, reply.request_id)
     raise ProtocolError(f"expected HelloReply to Hello, got {type(reply).__name__}")
 
@@ -213,7 +241,9 @@ def _mismatch_from_undecodable(e: MalformedFrame) -> ProtocolMismatch | None:
     return ProtocolMismatch(
         f"peer replied with protocol version {remote} (unreadable here: {e}), "
         f"this side speaks {PROTOCOL_VERSION}",
-        local_version=PROTOCOL_VERSION, remote_version=remote)
+        local_version=PROTOCOL_VERSION,
+        remote_version=remote,
+    )
 
 
 def handshake(client: Client, hello: Hello, *, timeout_s: float) -> HelloReply:

@@ -50,14 +50,24 @@ def version_error(remote_version: int | None) -> Error:
     )
 
 
-def answer_hello(hello: Hello, *, service: str, model: str,
-                 info: Mapping[str, str] | None = None,
-                 target_layer_ids: Sequence[int] = ()) -> HelloReply | Error:
+def answer_hello(
+    hello: Hello,
+    *,
+    service: str,
+    model: str,
+    info: Mapping[str, str] | None = None,
+    target_layer_ids: Sequence[int] = (),
+) -> HelloReply | Error:
     """Reply to a Hello: HelloReply if its version is ours, else Error naming both versions."""
     if hello.protocol_version != PROTOCOL_VERSION:
         return version_error(hello.protocol_version)
-    return HelloReply(protocol_version=PROTOCOL_VERSION, service=service, model=model,
-                      info=dict(info or {}), target_layer_ids=list(target_layer_ids))
+    return HelloReply(
+        protocol_version=PROTOCOL_VERSION,
+        service=service,
+        model=model,
+        info=dict(info or {}),
+        target_layer_ids=list(target_layer_ids),
+    )
 
 
 def _refuse_malformed(e: MalformedFrame, on_error: OnError) -> Error:
@@ -91,8 +101,15 @@ def _run_handler(inc: Incoming, handler: Handler, on_error: OnError) -> tuple[An
     return result if isinstance(result, tuple) else (result, ())
 
 
-def _send(sock: zmq.Socket, peer: bytes, call_id: bytes, reply: Any, frames: Frames,
-          responses: Codec[Any], on_error: OnError) -> None:
+def _send(
+    sock: zmq.Socket,
+    peer: bytes,
+    call_id: bytes,
+    reply: Any,
+    frames: Frames,
+    responses: Codec[Any],
+    on_error: OnError,
+) -> None:
     try:
         router_send(sock, peer, call_id, reply, responses, frames)
     except ProtocolError as e:
@@ -100,15 +117,29 @@ def _send(sock: zmq.Socket, peer: bytes, call_id: bytes, reply: Any, frames: Fra
         # but the peer still gets an answer instead of waiting for its timeout.
         log.error("handler reply refused: %s", e)
         on_error(ErrorCode.INTERNAL)
-        _send(sock, peer, call_id, Error(code=ErrorCode.INTERNAL, message=str(e)), (),
-              responses, on_error)
+        _send(
+            sock,
+            peer,
+            call_id,
+            Error(code=ErrorCode.INTERNAL, message=str(e)),
+            (),
+            responses,
+            on_error,
+        )
     except zmq.ZMQError as e:
         log.warning("reply to peer %r dropped: %s", peer, e)
         on_error("send_failed")
 
 
-def serve_one(sock: zmq.Socket, frames: list[zmq.Frame], handler: Handler, *,
-              requests: Codec[Any], responses: Codec[Any], on_error: OnError) -> None:
+def serve_one(
+    sock: zmq.Socket,
+    frames: list[zmq.Frame],
+    handler: Handler,
+    *,
+    requests: Codec[Any],
+    responses: Codec[Any],
+    on_error: OnError,
+) -> None:
     """Decode one received ROUTER message, run it and send the reply (or an Error)."""
     try:
         inc = parse(frames, requests, router=True)
@@ -122,9 +153,16 @@ def serve_one(sock: zmq.Socket, frames: list[zmq.Frame], handler: Handler, *,
     _send(sock, inc.peer, inc.call_id, reply, reply_frames, responses, on_error)
 
 
-def serve_forever(sock: zmq.Socket, handler: Handler, stop_event: StopFlag, *,
-                  requests: Codec[Any], responses: Codec[Any],
-                  on_error: OnError | None = None, poll_ms: int = 100) -> None:
+def serve_forever(
+    sock: zmq.Socket,
+    handler: Handler,
+    stop_event: StopFlag,
+    *,
+    requests: Codec[Any],
+    responses: Codec[Any],
+    on_error: OnError | None = None,
+    poll_ms: int = 100,
+) -> None:
     """Serve a ROUTER socket until `stop_event` is set (checked every `poll_ms`).
 
     Returns on stop or when the context is terminated; the socket stays the caller's.
@@ -141,5 +179,4 @@ def serve_forever(sock: zmq.Socket, handler: Handler, stop_event: StopFlag, *,
             if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
                 return
             raise
-        serve_one(sock, frames, handler, requests=requests, responses=responses,
-                  on_error=report)
+        serve_one(sock, frames, handler, requests=requests, responses=responses, on_error=report)

@@ -90,8 +90,9 @@ class Incoming:
 class MalformedFrame(ProtocolError):
     """A frame that could not be read; carries what is known of its sender for the reply."""
 
-    def __init__(self, message: str, *, peer: bytes | None, call_id: bytes,
-                 payload: memoryview | None = None) -> None:
+    def __init__(
+        self, message: str, *, peer: bytes | None, call_id: bytes, payload: memoryview | None = None
+    ) -> None:
         super().__init__(message)
         self.peer = peer  # None: even the identity is missing, no reply is possible
         self.call_id = call_id
@@ -107,12 +108,14 @@ def parse(frames: list[zmq.Frame], codec: Codec[Any], *, router: bool) -> Incomi
     if len(rest) < 3 or rest[0].bytes != b"":
         raise MalformedFrame(
             f"bad envelope: expected [b'', call_id, payload, *tensors], got {len(rest)} frames",
-            peer=peer, call_id=b"",
+            peer=peer,
+            call_id=b"",
         )
     call_id = rest[1].bytes
     if len(call_id) > MAX_CALL_ID_BYTES:
-        raise MalformedFrame(f"call_id of {len(call_id)} bytes (max {MAX_CALL_ID_BYTES})",
-                             peer=peer, call_id=b"")
+        raise MalformedFrame(
+            f"call_id of {len(call_id)} bytes (max {MAX_CALL_ID_BYTES})", peer=peer, call_id=b""
+        )
     payload = rest[2].buffer
     try:
         msg = codec.decode(payload)
@@ -134,23 +137,31 @@ def _check_timeout(events: int, timeout_ms: int, what: str) -> None:
 # ------------------------------------------------------------------ blocking sockets
 
 
-def router_send(sock: zmq.Socket, peer: bytes, call_id: bytes, msg: Any, codec: Codec[Any],
-                frames: Frames = ()) -> None:
+def router_send(
+    sock: zmq.Socket, peer: bytes, call_id: bytes, msg: Any, codec: Codec[Any], frames: Frames = ()
+) -> None:
     """Send to one peer without blocking: a server must not stall on one slow client.
 
     Raises zmq.ZMQError: EHOSTUNREACH if the peer is gone, EAGAIN if its queue is full.
     """
-    sock.send_multipart(_envelope(peer, call_id, codec.encode(msg), frames),
-                        flags=zmq.NOBLOCK, copy=False)
+    sock.send_multipart(
+        _envelope(peer, call_id, codec.encode(msg), frames), flags=zmq.NOBLOCK, copy=False
+    )
 
 
-def dealer_send(sock: zmq.Socket, call_id: bytes, msg: Any, codec: Codec[Any],
-                frames: Frames = (), *, timeout_ms: int) -> None:
+def dealer_send(
+    sock: zmq.Socket,
+    call_id: bytes,
+    msg: Any,
+    codec: Codec[Any],
+    frames: Frames = (),
+    *,
+    timeout_ms: int,
+) -> None:
     """Send within `timeout_ms` (PeerTimeout if no connected peer can take it by then)."""
     payload = codec.encode(msg)
     _check_timeout(sock.poll(timeout_ms, zmq.POLLOUT), timeout_ms, "send slot")
-    sock.send_multipart(_envelope(None, call_id, payload, frames), flags=zmq.NOBLOCK,
-                        copy=False)
+    sock.send_multipart(_envelope(None, call_id, payload, frames), flags=zmq.NOBLOCK, copy=False)
 
 
 def recv(sock: zmq.Socket, codec: Codec[Any], *, router: bool, timeout_ms: int) -> Incoming:
@@ -164,16 +175,25 @@ def recv(sock: zmq.Socket, codec: Codec[Any], *, router: bool, timeout_ms: int) 
 # ------------------------------------------------------------------ asyncio sockets (gateway)
 
 
-async def async_dealer_send(sock: zmq.asyncio.Socket, call_id: bytes, msg: Any,
-                            codec: Codec[Any], frames: Frames = (), *, timeout_ms: int) -> None:
+async def async_dealer_send(
+    sock: zmq.asyncio.Socket,
+    call_id: bytes,
+    msg: Any,
+    codec: Codec[Any],
+    frames: Frames = (),
+    *,
+    timeout_ms: int,
+) -> None:
     payload = codec.encode(msg)
     _check_timeout(await sock.poll(timeout_ms, zmq.POLLOUT), timeout_ms, "send slot")
-    await sock.send_multipart(_envelope(None, call_id, payload, frames), flags=zmq.NOBLOCK,
-                              copy=False)
+    await sock.send_multipart(
+        _envelope(None, call_id, payload, frames), flags=zmq.NOBLOCK, copy=False
+    )
 
 
-async def async_recv(sock: zmq.asyncio.Socket, codec: Codec[Any], *, router: bool,
-                     timeout_ms: int) -> Incoming:
+async def async_recv(
+    sock: zmq.asyncio.Socket, codec: Codec[Any], *, router: bool, timeout_ms: int
+) -> Incoming:
     _check_timeout(await sock.poll(timeout_ms, zmq.POLLIN), timeout_ms, "message")
     frames = await sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
     return parse(frames, codec, router=router)

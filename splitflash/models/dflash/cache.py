@@ -94,7 +94,7 @@ class DFlashState:
 
 def _context_rows(ctx_k: torch.Tensor, ctx_v: torch.Tensor, n_ctx: int, window: int | None):
     """The context rows any block query may see, oldest first, with their positions."""
-    lo = 0 if window is None else max(0, n_ctx - window)
+    lo = 0 if window is None else max(0, n_ctx - (window - 1))
     pos = torch.arange(lo, n_ctx, device=ctx_k.device)
     if window is None:
         return ctx_k[:n_ctx], ctx_v[:n_ctx], pos

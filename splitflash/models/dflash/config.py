@@ -39,7 +39,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splitflash.models.config import TargetConfig
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -103,6 +106,9 @@ class DFlashConfig:
         hidden = _int(_req(d, "hidden_size"), "hidden_size")
         heads = _int(_req(d, "num_attention_heads"), "num_attention_heads")
         layer_types = d.get("layer_types")
+        ids = _req(dcfg, "target_layer_ids", "dflash_config")
+        if not isinstance(ids, list) or not isinstance(layer_types, list | None):
+            raise ValueError("DFlash config: target_layer_ids and layer_types must be lists")
         if layer_types is None:
             if d.get("use_sliding_window"):
                 raise ValueError(
@@ -133,7 +139,7 @@ class DFlashConfig:
             vocab_size=_int(_req(d, "vocab_size"), "vocab_size"),
             layer_types=tuple(layer_types),
             sliding_window=d.get("sliding_window"),
-            target_layer_ids=tuple(_req(dcfg, "target_layer_ids", "dflash_config")),
+            target_layer_ids=tuple(ids),
             mask_token_id=_req(dcfg, "mask_token_id", "dflash_config"),
             block_size=dcfg.get("block_size", d.get("block_size", 16)),
             causal=causal,
@@ -192,7 +198,7 @@ class DFlashConfig:
                 f"DFlash config layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers"
             )
-        unknown = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
+        unknown = sorted({repr(t) for t in self.layer_types if t not in (SLIDING, FULL)})
         if unknown:
             raise ValueError(f"DFlash config: unknown layer type(s) {unknown} ({SLIDING}|{FULL})")
         if SLIDING in self.layer_types:
@@ -236,6 +242,9 @@ class DFlashConfig:
         bad = [i for i in self.target_layer_ids if i >= num_layers]
         if bad:
             raise ValueError(f"DFlash target_layer_ids {bad} out of range for {num_layers} layers")
+
+    def check_target_config(self, target: TargetConfig) -> None:
+        self.check_target(target.vocab_size, target.hidden_size, target.num_layers)
 
     @property
     def is_causal(self) -> bool:

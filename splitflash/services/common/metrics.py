@@ -165,6 +165,7 @@ def publish_attention_policy(
     source: str,
 ) -> bool:
     """Export the per-layer policy in force; returns (and exports) whether it differs."""
+    m.draft_attention_policy.clear()  # a reload may have fewer layers: drop stale ones
     for layer, (kind, window) in enumerate(in_force):
         values = (kind, "none" if window is None else str(window), source)
         m.draft_attention_policy.labels(layer=str(layer)).info(

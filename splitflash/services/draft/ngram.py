@@ -19,7 +19,10 @@ class NgramSettings:
             raise ValueError(f"n-gram range must satisfy 1 <= min_n <= max_n, got {self}")
 
 
-def propose_ngram(tokens: list[int], k: int, settings: NgramSettings = NgramSettings()) -> list[int]:
+DEFAULT_NGRAM = NgramSettings()
+
+
+def propose_ngram(tokens: list[int], k: int, settings: NgramSettings = DEFAULT_NGRAM) -> list[int]:
     """Up to k draft tokens continuing `tokens`; [] when no suffix n-gram recurs."""
     if k <= 0:
         return []
@@ -40,7 +43,7 @@ class NgramDrafter:
 
     name = "ngram"
 
-    def __init__(self, settings: NgramSettings = NgramSettings()) -> None:
+    def __init__(self, settings: NgramSettings = DEFAULT_NGRAM) -> None:
         self.settings = settings
         self.tokens: dict[str, list[int]] = {}
 

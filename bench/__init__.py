@@ -1,0 +1,1 @@
+"""Benchmarks: kernels (bench.kernels), long-context sweeps; results in bench/RESULTS.md."""

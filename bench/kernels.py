@@ -1,0 +1,194 @@
+"""Paged verify-attention bandwidth benchmark (CUDA only; importable anywhere).
+
+For each (batch, kv_len, q_len) it times, side by side in one process:
+- the Triton paged kernel (split-KV, page table, ancestor mask),
+- torch SDPA on contiguous K/V with the equivalent mask (dense bool attn_mask for q_len > 1),
+- a device-to-device copy, as the attainable-bandwidth yardstick.
+Effective bandwidth = K/V bytes the attention must read / time. Usage:
+    python -m bench.kernels --out bench/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+
+def _time_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+
+
+def measure_copy_gbps(n_bytes: int = 1 << 31) -> float:
+    """Device copy bandwidth (read + write bytes / time) on a buffer far beyond L2."""
+    import torch
+
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src))
+    return 2 * n_bytes / (ms * 1e-3) / 1e9
+
+
+def _paged_inputs(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, gen):
+    """Random paged batch; pages are handed out in shuffled order (a fragmented pool)."""
+    import torch
+
+    pages_per_req = -(-kv_len // page)
+    n_pages = batch * pages_per_req
+    shape = (n_pages, page, kv_heads, head_dim)
+    k_pages = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    v_pages = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    order = torch.randperm(n_pages, device="cuda", generator=gen).to(torch.int32)
+    page_table = order.view(batch, pages_per_req)
+    kv_lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_len
+    q = torch.randn(batch * q_len, heads, head_dim, device="cuda", dtype=dtype, generator=gen)
+    chain = [(1 << (i + 1)) - 1 for i in range(q_len)]
+    chain = [c - (1 << 64) if c >= 1 << 63 else c for c in chain]  # int64 two's complement
+    anc = torch.tensor(chain * batch, dtype=torch.int64, device="cuda")
+    return q, k_pages, v_pages, page_table, kv_lens, cu_q, anc
+
+
+def _sdpa_case(q, k_pages, v_pages, page_table, batch, kv_len, q_len):
+    """Contiguous [B, H, L, D] copies and the dense mask SDPA needs for the same attention."""
+    import torch
+
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_pages.shape[2]
+    idx = page_table.long().flatten()
+
+    def gather(pages):  # [P, S, H_KV, D] -> [B, H_KV, L, D]
+        flat = pages.index_select(0, idx).view(batch, -1, kv_heads, head_dim)[:, :kv_len]
+        return flat.transpose(1, 2).contiguous()
+
+    k, v = gather(k_pages), gather(v_pages)
+    qs = q.view(batch, q_len, heads, head_dim).transpose(1, 2)
+    mask = None
+    if q_len > 1:
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device="cuda")
+        mask[:, kv_len - q_len :] = torch.tril(mask[:, kv_len - q_len :])
+        mask = mask.expand(batch, 1, q_len, kv_len)
+    return qs, k, v, mask
+
+
+def _bench_one(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, with_sdpa):
+    import torch
+    import torch.nn.functional as F
+
+    from splitflash.kernels.paged_attention import paged_attention_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    args = _paged_inputs(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, gen)
+    q, k_pages, v_pages, page_table = args[:4]
+    scale = head_dim**-0.5
+    kv_bytes = 2 * batch * kv_len * kv_heads * head_dim * k_pages.element_size()
+    row = dict(batch=batch, kv_len=kv_len, q_len=q_len, heads=heads, kv_heads=kv_heads,
+               head_dim=head_dim, page_size=page, kv_bytes=kv_bytes)  # fmt: skip
+    known = dict(max_kv_len=kv_len, max_q_len=q_len)  # what a scheduler passes: no host sync
+    ms = _time_ms(lambda: paged_attention_triton(*args, scale, **known))
+    row["triton_ms"] = ms
+    row["triton_gbps"] = kv_bytes / (ms * 1e-3) / 1e9
+    row["sdpa_ms"] = row["sdpa_gbps"] = None
+    if with_sdpa:
+        qs, k, v, mask = _sdpa_case(q, args[1], args[2], page_table, batch, kv_len, q_len)
+        try:
+            ms = _time_ms(lambda: F.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True))  # fmt: skip
+            row["sdpa_ms"], row["sdpa_gbps"] = ms, kv_bytes / (ms * 1e-3) / 1e9
+        except (RuntimeError, TypeError) as exc:  # no GQA/mask backend in this torch
+            row["sdpa_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return row
+
+
+def run_kernel_bench(
+    batch_sizes=(1, 8),
+    kv_lens=(8192, 32768, 131072, 262144),
+    q_lens=(1, 16, 64),
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    page_size: int = 16,
+    dtype: str = "bfloat16",
+    with_sdpa: bool = True,
+    print_table: bool = True,
+) -> list[dict]:
+    """Rows of {batch, kv_len, q_len, kv_bytes, triton_ms/gbps, sdpa_ms/gbps, copy_gbps,
+    triton_vs_copy, triton_vs_sdpa}. Raises RuntimeError without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the kernel benchmark needs a CUDA GPU")
+    torch_dtype = getattr(torch, dtype)
+    copy_gbps = measure_copy_gbps()
+    device = torch.cuda.get_device_name()
+    cap = torch.cuda.get_device_capability()
+    rows = []
+    for batch in batch_sizes:
+        for kv_len in kv_lens:
+            for q_len in q_lens:
+                row = _bench_one(batch, kv_len, q_len, heads, kv_heads, head_dim, page_size,
+                                 torch_dtype, with_sdpa)  # fmt: skip
+                row.update(device=device, capability=f"sm_{cap[0]}{cap[1]}", dtype=dtype,
+                           copy_gbps=copy_gbps)  # fmt: skip
+                row["triton_vs_copy"] = row["triton_gbps"] / copy_gbps
+                sdpa = row.get("sdpa_ms")
+                row["triton_vs_sdpa"] = sdpa / row["triton_ms"] if sdpa else None
+                rows.append(row)
+                torch.cuda.empty_cache()
+    if print_table:
+        print_rows(rows)
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(x, spec):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+    title = f"paged verify attention, {rows[0]['device']} ({rows[0]['capability']})" if rows else ""
+    table = Table(title=title)
+    for col in ("B", "kv_len", "q_len", "KV MB", "triton ms", "triton GB/s", "sdpa ms",
+                "sdpa GB/s", "copy GB/s", "triton/copy", "speedup vs sdpa"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["batch"]), str(r["kv_len"]), str(r["q_len"]), fmt(r["kv_bytes"] / 1e6, ".0f"),
+            fmt(r["triton_ms"], ".3f"), fmt(r["triton_gbps"], ".0f"), fmt(r["sdpa_ms"], ".3f"),
+            fmt(r["sdpa_gbps"], ".0f"), fmt(r["copy_gbps"], ".0f"),
+            fmt(r["triton_vs_copy"], ".2f"), fmt(r["triton_vs_sdpa"], ".2f"),
+        )  # fmt: skip
+    Console().print(table)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench/kernels.json"))
+    ap.add_argument("--batch-sizes", type=_ints, default=(1, 8))
+    ap.add_argument("--kv-lens", type=_ints, default=(8192, 32768, 131072, 262144))
+    ap.add_argument("--q-lens", type=_ints, default=(1, 16, 64))
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--no-sdpa", action="store_true")
+    a = ap.parse_args(argv)
+    rows = run_kernel_bench(a.batch_sizes, a.kv_lens, a.q_lens, a.heads, a.kv_heads,
+                            a.head_dim, a.page_size, a.dtype, not a.no_sdpa)  # fmt: skip
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {len(rows)} rows to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
