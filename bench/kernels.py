@@ -4,7 +4,8 @@ For each (batch, kv_len, q_len) it times, side by side in one process:
 - the Triton paged kernel (split-KV, page table, ancestor mask),
 - torch SDPA on contiguous K/V with the equivalent mask (dense bool attn_mask for q_len > 1),
 - a device-to-device copy, as the attainable-bandwidth yardstick.
-Effective bandwidth = K/V bytes the attention must read / time. Usage:
+Effective bandwidth = K/V bytes the attention must read / time. Times are GPU time inside a
+CUDA graph (*_ms); *_eager_ms adds the Python launch overhead. Usage:
     python -m bench.kernels --out bench/kernels.json
 """
 
@@ -20,6 +21,15 @@ def _time_ms(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+
+
+def _time_graph_ms(fn) -> float:
+    """GPU time inside a CUDA graph: no Python launch overhead, as in the serving path
+    (DESIGN.md 6: draft and verify steps are CUDA-graph captured)."""
+    import triton.testing
+
+    fn()  # compile and autotune outside the capture
+    return float(triton.testing.do_bench_cudagraph(fn, rep=100))
 
 
 def measure_copy_gbps(n_bytes: int = 1 << 31) -> float:
@@ -88,16 +98,26 @@ def _bench_one(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, wit
     row = dict(batch=batch, kv_len=kv_len, q_len=q_len, heads=heads, kv_heads=kv_heads,
                head_dim=head_dim, page_size=page, kv_bytes=kv_bytes)  # fmt: skip
     known = dict(max_kv_len=kv_len, max_q_len=q_len)  # what a scheduler passes: no host sync
-    ms = _time_ms(lambda: paged_attention_triton(*args, scale, **known))
-    row["triton_ms"] = ms
-    row["triton_gbps"] = kv_bytes / (ms * 1e-3) / 1e9
+
+    def triton_fn():
+        return paged_attention_triton(*args, scale, **known)
+
+    ms = _time_graph_ms(triton_fn)
+    row["triton_ms"], row["triton_gbps"] = ms, kv_bytes / (ms * 1e-3) / 1e9
+    row["triton_eager_ms"] = _time_ms(triton_fn)  # includes host launch overhead
     row["sdpa_ms"] = row["sdpa_gbps"] = None
     if with_sdpa:
         qs, k, v, mask = _sdpa_case(q, args[1], args[2], page_table, batch, kv_len, q_len)
+
+        def sdpa_fn():
+            return F.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+
         try:
-            ms = _time_ms(lambda: F.scaled_dot_product_attention(
-                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True))  # fmt: skip
+            ms = _time_graph_ms(sdpa_fn)
             row["sdpa_ms"], row["sdpa_gbps"] = ms, kv_bytes / (ms * 1e-3) / 1e9
+            row["sdpa_eager_ms"] = _time_ms(sdpa_fn)
         except (RuntimeError, TypeError) as exc:  # no GQA/mask backend in this torch
             row["sdpa_error"] = f"{type(exc).__name__}: {exc}"[:200]
     return row

@@ -21,6 +21,7 @@ from splitflash.kernels.draft_attention_ref import check_draft_inputs
 from splitflash.kernels.online_softmax import attend_tile
 from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
+    CONFIG_SETS,
     INTERPRETER_CONFIG,
     autotuned,
     config_set_for,
@@ -207,8 +208,11 @@ def draft_attention_triton(
         DIRECT_OUT=direct, UPCAST=upcast, DOT_IEEE=upcast, COUNT_READS=keys_read is not None,
     )  # fmt: skip
     grid = (plan.num_splits, n_req * m_tiles, n_kv_heads)
-    if interp:
-        block_n, warps, stages = INTERPRETER_CONFIG
+    if interp or keys_read is not None:
+        # The autotuner re-runs the kernel while timing configs, which would add to the
+        # keys_read counter many times over: counting calls take one fixed config.
+        config = INTERPRETER_CONFIG if interp else CONFIG_SETS[config_set_for(cap)][0]
+        block_n, warps, stages = config
         _draft_attn_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
                                  num_stages=stages)  # fmt: skip
     else:

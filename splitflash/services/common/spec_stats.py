@@ -65,3 +65,19 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 6),
             "accepted_per_position": self.accepted_per_position(),
         }
+
+
+def step_invariants(
+    draft_tokens: int, max_depth: int, accepted: int, depth: int, commit_len: int, finished: bool
+) -> list[str]:
+    """DESIGN.md §4 on one step; the names of the broken invariants (empty when sound)."""
+    broken = []
+    if not 0 <= accepted <= max_depth:
+        broken.append("accepted_range")
+    if depth != accepted:
+        broken.append("depth_equals_accepted")
+    if commit_len > accepted + 1 or (not finished and commit_len != accepted + 1):
+        broken.append("commit_len")
+    if accepted > draft_tokens:
+        broken.append("accepted_le_drafted")
+    return broken

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splitflash.services.common.spec_stats import step_invariants
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -84,17 +86,7 @@ def truncate_outcome(outcome: StepOutcome, max_commit: int, stop_ids: set[int]) 
 
 def check_invariants(outcome: StepOutcome, max_depth: int, finished: bool) -> list[str]:
     """DESIGN.md §4 on one step; returns the names of the broken invariants."""
-    broken = []
-    a, d, c = outcome.accepted_drafts, outcome.accepted_depth, outcome.commit_len
-    if not 0 <= a <= max_depth:
-        broken.append("accepted_range")
-    if d != a:
-        broken.append("depth_equals_accepted")
-    if finished:
-        if c > a + 1:
-            broken.append("commit_len")
-    elif c != a + 1:
-        broken.append("commit_len")
-    if a > outcome.draft_tokens:
-        broken.append("accepted_le_drafted")
-    return broken
+    return step_invariants(
+        outcome.draft_tokens, max_depth, outcome.accepted_drafts, outcome.accepted_depth,
+        outcome.commit_len, finished,
+    )

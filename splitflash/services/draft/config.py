@@ -1,0 +1,41 @@
+"""Settings of the draft service (env prefix SPLITFLASH_DRAFT_). Data only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENV_PREFIX = "SPLITFLASH_DRAFT_"
+WINDOW_OVERRIDES = ("checkpoint", "off")
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    bind: str = "tcp://127.0.0.1:5556"  # ROUTER: gateway control + verify Features
+    metrics_port: int = 9101  # prometheus HTTP port; 0 = no metrics server
+    metrics_host: str = "127.0.0.1"  # "0.0.0.0" in containers so prometheus can scrape
+    # "ngram" | "dflash" (shipped default checkpoint) | "dflash:PATH" | "none"
+    drafter: str = "ngram"
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    device: str = "cpu"
+    target: str = "smollm2-135m"  # dflash shares the target's embedding and LM head
+    # "checkpoint" = the checkpoint's sliding windows; "off" = force full attention, an
+    # explicit experiment that is logged loudly and exported as a policy mismatch.
+    window_override: str = "checkpoint"
+    max_batch: int = 64  # most items in one Propose; larger batches are refused
+    peer_id: str = ""  # identity in logs; "" = draft-<pid>
+
+    def __post_init__(self) -> None:
+        kind = self.drafter.split(":", 1)[0]
+        if kind not in ("ngram", "dflash", "none") or (kind != "dflash" and ":" in self.drafter):
+            raise ValueError(
+                f"drafter must be 'ngram', 'dflash', 'dflash:PATH' or 'none', got {self.drafter!r}"
+            )
+        if self.window_override not in WINDOW_OVERRIDES:
+            raise ValueError(
+                f"window_override must be one of {WINDOW_OVERRIDES}, got {self.window_override!r}"
+            )
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ValueError("ngram n-gram range must satisfy 1 <= min_n <= max_n")
+        if self.max_batch < 1 or not 0 <= self.metrics_port < 65536:
+            raise ValueError("max_batch must be >= 1 and metrics_port in 0..65535")

@@ -1,0 +1,70 @@
+"""Per-step timing split (draft, verify, transport, schedule) and per-request traces."""
+
+from __future__ import annotations
+
+import time
+
+from splitflash.services.common.metric_math import context_bucket
+from splitflash.services.common.metrics import GatewayMetrics
+from splitflash.services.gateway.jobs import Job
+
+
+class StepTimer:
+    """Round trips measured here, compute times reported by the workers; transport is the
+    difference (serialisation, sockets, queueing), schedule is the gateway's own time."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.round_trip: dict[str, float] = {}
+        self.worker_time: dict[str, float] = {}
+
+    def mark(self, phase: str, worker_seconds: float | None = None) -> None:
+        now = time.perf_counter()
+        self.round_trip[phase] = now - self._last
+        if worker_seconds is not None:
+            self.worker_time[phase] = worker_seconds
+        self._last = now
+
+    def phases(self) -> dict[str, float]:
+        compute = {p: min(self.worker_time.get(p, rt), rt) for p, rt in self.round_trip.items()}
+        transport = sum(self.round_trip[p] - compute[p] for p in self.round_trip)
+        total = time.perf_counter() - self.start
+        schedule = max(0.0, total - sum(self.round_trip.values()))
+        return {
+            "draft": compute.get("draft", 0.0),
+            "verify": compute.get("verify", 0.0),
+            "transport": transport,
+            "schedule": schedule,
+            "total": total,
+        }
+
+    def finish(self, metrics: GatewayMetrics, max_context: int) -> None:
+        phases = self.phases()
+        bucket = context_bucket(max_context)
+        metrics.step_seconds.labels(context_bucket=bucket).observe(phases["total"])
+        for phase in ("draft", "verify", "transport", "schedule"):
+            metrics.step_phase_seconds.labels(phase=phase).observe(phases[phase])
+            metrics.step_phase_by_context_seconds.labels(
+                phase=phase, context_bucket=bucket
+            ).observe(phases[phase])
+        metrics.common.service_busy_seconds.inc(phases["schedule"])
+
+
+def record_step(job: Job, result, timer: StepTimer, metrics: GatewayMetrics) -> None:
+    """The request's own pooled stats and its trace record for this step."""
+    phases = timer.phases()
+    job.stats.record(
+        result.draft_tokens, result.draft_tokens, result.accepted_drafts, result.commit_len
+    )
+    job.trace.append(
+        {
+            "context": job.base_len,
+            "drafted": result.draft_tokens,
+            "accepted_depth": result.accepted_depth,
+            "accepted_drafts": result.accepted_drafts,
+            "commit_len": result.commit_len,
+            "draft_ms": round(phases["draft"] * 1e3, 3),
+            "verify_ms": round(phases["verify"] * 1e3, 3),
+            "transport_ms": round(phases["transport"] * 1e3, 3),
+        }
+    )

@@ -1,0 +1,47 @@
+"""Settings of the verify service (env prefix SPLITFLASH_VERIFY_). Data only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENV_PREFIX = "SPLITFLASH_VERIFY_"
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class VerifySettings:
+    bind: str = "tcp://127.0.0.1:5555"  # ROUTER the gateway's DEALER connects to
+    metrics_port: int = 9102  # prometheus HTTP port; 0 = no metrics server
+    metrics_host: str = "127.0.0.1"  # "0.0.0.0" in containers so prometheus can scrape
+    target: str = "smollm2-135m"  # model store name or path (GGUF file / HF directory)
+    device: str = "cpu"
+    dtype: str = ""  # "" = float32 on cpu, bfloat16 on cuda
+    kv_pages: int = 2048  # KV pool size in pages (tokens = kv_pages * page_size)
+    page_size: int = 16
+    max_batch: int = 64  # most items in one Prefill/Verify; larger batches are refused
+    max_context: int = 0  # 0 = the model's max_position_embeddings
+    # Data plane: verify -> draft Features. "" = no link (ngram / speculation off).
+    draft_addr: str = "tcp://127.0.0.1:5556"
+    draft_name: str = "draft"  # the name PrefillItem.draft_peer must carry to use that link
+    features_timeout_s: float = 1.0  # wait for one FeaturesAck; past it the step goes on
+    features_chunk_rows: int = 2048  # rows per Features message (long prompts are split)
+    draft_retry_s: float = 5.0  # after a failed link, skip sends this long before retrying
+    heartbeat_timeout_s: float = 2.0  # Hello/Heartbeat round trip to the draft service
+    peer_id: str = ""  # identity in logs and Hello; "" = verify-<pid>
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("", *DTYPES):
+            raise ValueError(f"dtype must be one of {DTYPES} or empty, got {self.dtype!r}")
+        for name in ("kv_pages", "page_size", "max_batch", "features_chunk_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context < 0 or not 0 <= self.metrics_port < 65536:
+            raise ValueError("max_context must be >= 0 and metrics_port in 0..65535")
+        if self.features_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
+            raise ValueError("features_timeout_s and heartbeat_timeout_s must be > 0")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype:
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"

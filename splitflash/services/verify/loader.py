@@ -1,0 +1,27 @@
+"""Build the verify service's TargetEngine from its settings (the CLI path; tests inject one)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitflash.models import store
+from splitflash.models.kv_cache import PagedKVCache
+from splitflash.models.loading import load_target
+from splitflash.services.verify.config import VerifySettings
+from splitflash.services.verify.engine import TargetEngine
+
+log = logging.getLogger(__name__)
+
+
+def load_engine(settings: VerifySettings) -> TargetEngine:
+    path = store.resolve(settings.target)
+    dtype = getattr(torch, settings.torch_dtype_name)
+    log.info("loading target %s (%s) on %s as %s", settings.target, path, settings.device,
+             settings.torch_dtype_name)
+    model = load_target(path, device=settings.device, dtype=dtype)
+    cfg = model.cfg
+    cache = PagedKVCache(cfg.num_layers, settings.kv_pages, settings.page_size,
+                         cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=settings.device)
+    return TargetEngine(model, cache, max_context=settings.max_context or None)
