@@ -139,6 +139,24 @@ def collect_prompts(seed: int = 0, limit: int | None = None) -> list[Prompt]:
     return out[:limit] if limit else out
 
 
+def balanced(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """Up to n prompts taken round-robin over kinds, so text chunks (the most numerous
+    source) do not crowd out code."""
+    by_kind: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_kind.setdefault(p.kind, []).append(p)
+    queues = [iter(v) for _, v in sorted(by_kind.items())]
+    out: list[Prompt] = []
+    while queues and len(out) < n:
+        for q in list(queues):
+            item = next(q, None)
+            if item is None:
+                queues.remove(q)
+            elif len(out) < n:
+                out.append(item)
+    return out
+
+
 def write_prompts(prompts: list[Prompt], tokenizer, out_file: Path, max_prompt_tokens: int) -> int:
     """Tokenise with the chat template; one JSON object per line. Returns the count kept."""
     from splitflash.cli.generate import encode_prompt

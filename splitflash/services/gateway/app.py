@@ -48,17 +48,18 @@ def _prompt_ids(rt: GatewayRuntime, req: GenerationRequest) -> list[int]:
 def _make_job(rt: GatewayRuntime, req: GenerationRequest) -> Job:
     ids = _prompt_ids(rt, req)
     limit = rt.settings.max_context
+    field = "messages" if req.kind == "chat" else "prompt"
     if len(ids) + 1 > limit:
         raise ApiError(
             400,
-            f"prompt is {len(ids)} tokens; this model's context is {limit}",
-            "messages" if req.kind == "chat" else "prompt",
+            f"{field}: the prompt is {len(ids)} tokens; the context is {limit}",
+            field,
             "context_length_exceeded",
         )
     if req.max_tokens is not None and len(ids) + req.max_tokens > limit:
         raise ApiError(
             400,
-            f"max_tokens {req.max_tokens} + prompt {len(ids)} tokens exceeds "
+            f"max_tokens: {req.max_tokens} + prompt {len(ids)} tokens exceeds "
             f"the context of {limit}",
             "max_tokens",
             "context_length_exceeded",

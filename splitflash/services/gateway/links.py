@@ -50,6 +50,8 @@ class WorkerLink:
         self.generation = 0  # +1 at every successful handshake
         self.wants_target_layers: tuple[int, ...] = ()
         self.last_error = ""
+        self.missed = 0
+        self.on_up = None  # async callback(HelloReply) after every successful handshake
         self._task: asyncio.Task | None = None
 
     async def greet(self, timeout_s: float) -> bool:
@@ -64,6 +66,8 @@ class WorkerLink:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return False
         self.generation += 1
+        if self.on_up is not None:
+            await self.on_up(self.hello)
         if not self.alive:
             log.info("%s at %s is up (%s)", self.service, self.addr, dict(self.hello.info))
         self.alive = True
@@ -75,14 +79,21 @@ class WorkerLink:
         if not self.alive:
             await self.greet(timeout)
             return
+        if self.client.in_flight:
+            # A worker serves one message at a time: a heartbeat queued behind a long step
+            # would time out on a healthy worker. The call in flight has its own deadline.
+            return
         try:
             await self.client.call(
                 Heartbeat(seq=self.generation, sent_at=time.time()),
                 timeout_s=timeout,
                 expect=HeartbeatReply,
             )
+            self.missed = 0
         except Exception as exc:
-            self.mark_down(f"heartbeat failed: {exc}")
+            self.missed += 1
+            if self.missed >= 2:
+                self.mark_down(f"{self.missed} heartbeats missed: {exc}")
 
     def mark_down(self, why: str) -> None:
         if self.alive:

@@ -36,9 +36,18 @@ class GatewayRuntime:
             draft = WorkerLink(
                 self.ctx, "draft", s.draft_addr, DRAFT_REQUESTS, DRAFT_RESPONSES, s.heartbeat_s
             )
-            if await draft.greet(timeout_s=2.0) and draft.hello is not None:
-                # verify must capture the target layers the drafter conditions on
-                verify.wants_target_layers = tuple(draft.hello.target_layer_ids)
+
+            async def drafter_up(hello) -> None:
+                # verify must capture the target layers this drafter conditions on; a new
+                # drafter may want other layers, so verify is greeted again
+                layers = tuple(hello.target_layer_ids)
+                if layers != verify.wants_target_layers:
+                    verify.wants_target_layers = layers
+                    if verify.alive:
+                        await verify.greet(timeout_s=2.0)
+
+            draft.on_up = drafter_up
+            await draft.greet(timeout_s=2.0)
         await verify.greet(timeout_s=2.0)
         self.orchestrator = Orchestrator(s, verify, draft, self.metrics)
         verify.start()

@@ -26,7 +26,7 @@ class VerifySettings:
     features_timeout_s: float = 1.0  # wait for one FeaturesAck; past it the step goes on
     features_chunk_rows: int = 2048  # rows per Features message (long prompts are split)
     draft_retry_s: float = 5.0  # after a failed link, skip sends this long before retrying
-    heartbeat_timeout_s: float = 2.0  # Hello/Heartbeat round trip to the draft service
+    heartbeat_timeout_s: float = 2.0  # Hello round trip when (re)opening the draft link
     peer_id: str = ""  # identity in logs and Hello; "" = verify-<pid>
 
     def __post_init__(self) -> None:

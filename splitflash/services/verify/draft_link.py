@@ -42,6 +42,7 @@ class DraftLink:
         *,
         peer_id: str,
         timeout_s: float,
+        hello_timeout_s: float,
         retry_s: float,
         chunk_rows: int,
         on_failure: Callable[[str], None],
@@ -50,6 +51,7 @@ class DraftLink:
         self._ctx = ctx
         self._peer_id = peer_id
         self._timeout_s = timeout_s
+        self._hello_timeout_s = hello_timeout_s
         self._retry_s = retry_s
         self._chunk_rows = chunk_rows
         self._on_failure = on_failure
@@ -68,13 +70,17 @@ class DraftLink:
         sock.connect(self.addr)
         client = Client(sock, DRAFT_REQUESTS, DRAFT_RESPONSES)
         try:
-            reply = handshake(client, make_hello("verify", self._peer_id), timeout_s=self._timeout_s)
+            hello = make_hello("verify", self._peer_id)
+            reply = handshake(client, hello, timeout_s=self._hello_timeout_s)
         except (PeerTimeout, ProtocolError) as e:
             sock.close(linger=0)
             self._fail("handshake", f"draft service at {self.addr} did not accept Hello: {e}")
             return None
-        log.info("data plane to draft at %s up (drafter wants layers %s)",
-                 self.addr, reply.target_layer_ids)
+        log.info(
+            "data plane to draft at %s up (drafter wants layers %s)",
+            self.addr,
+            reply.target_layer_ids,
+        )
         self._sock, self._client = sock, client
         return client
 
@@ -83,8 +89,9 @@ class DraftLink:
         self._on_failure(f"features_{reason}")
         self._down_until = time.monotonic() + self._retry_s
 
-    def send(self, request_id: str, start_pos: int, feats: torch.Tensor,
-             layer_ids: tuple[int, ...]) -> bool:
+    def send(
+        self, request_id: str, start_pos: int, feats: torch.Tensor, layer_ids: tuple[int, ...]
+    ) -> bool:
         """Deliver rows [start_pos, start_pos + len(feats)) of one request; True if acked."""
         if request_id in self.broken:
             return False
@@ -99,12 +106,24 @@ class DraftLink:
                 return False
         return True
 
-    def _send_chunk(self, client: Client, request_id: str, start: int, rows: torch.Tensor,
-                    layer_ids: tuple[int, ...]) -> bool:
+    def _send_chunk(
+        self,
+        client: Client,
+        request_id: str,
+        start: int,
+        rows: torch.Tensor,
+        layer_ids: tuple[int, ...],
+    ) -> bool:
         # A fresh contiguous copy: zmq may read the frame after send returns (tensors.py).
         header, raw = encode_tensor(rows.detach().to("cpu", copy=True).contiguous())
-        msg = Features(request_id=request_id, start_pos=start, n_tokens=rows.shape[0],
-                       layer_ids=list(layer_ids), dtype=header.dtype, shape=header.shape)
+        msg = Features(
+            request_id=request_id,
+            start_pos=start,
+            n_tokens=rows.shape[0],
+            layer_ids=list(layer_ids),
+            dtype=header.dtype,
+            shape=header.shape,
+        )
         try:
             ack, _ = client.call(msg, [raw], timeout_s=self._timeout_s, expect=FeaturesAck)
         except PeerTimeout as e:

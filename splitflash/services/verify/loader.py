@@ -18,10 +18,22 @@ log = logging.getLogger(__name__)
 def load_engine(settings: VerifySettings) -> TargetEngine:
     path = store.resolve(settings.target)
     dtype = getattr(torch, settings.torch_dtype_name)
-    log.info("loading target %s (%s) on %s as %s", settings.target, path, settings.device,
-             settings.torch_dtype_name)
+    log.info(
+        "loading target %s (%s) on %s as %s",
+        settings.target,
+        path,
+        settings.device,
+        settings.torch_dtype_name,
+    )
     model = load_target(path, device=settings.device, dtype=dtype)
     cfg = model.cfg
-    cache = PagedKVCache(cfg.num_layers, settings.kv_pages, settings.page_size,
-                         cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=settings.device)
+    cache = PagedKVCache(
+        cfg.num_layers,
+        settings.kv_pages,
+        settings.page_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        dtype=dtype,
+        device=settings.device,
+    )
     return TargetEngine(model, cache, max_context=settings.max_context or None)

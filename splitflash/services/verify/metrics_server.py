@@ -23,8 +23,9 @@ def phase_histogram(reg: CollectorRegistry, phase: str) -> Histogram:
     """step_phase_seconds{phase} (catalogue entry; not in the colleague's bundles), with only
     this service's own phase created: the other phases are measured elsewhere."""
     d = METRICS["step_phase_seconds"]
-    hist = Histogram(PREFIX + "step_phase_seconds", d.doc, ["phase"], registry=reg,
-                     buckets=d.buckets)
+    hist = Histogram(
+        PREFIX + "step_phase_seconds", d.doc, ["phase"], registry=reg, buckets=d.buckets
+    )
     return hist.labels(phase=phase)
 
 
@@ -49,9 +50,9 @@ class VerifyServerMetrics:
         self.bundle.kv_pages_total.set(total)
 
     def add_kv_bytes(self, longest_context: int, n_bytes: int) -> None:
-        self.bundle.verify_kv_bytes_read.labels(
-            context_bucket=context_bucket(longest_context)
-        ).inc(n_bytes)
+        self.bundle.verify_kv_bytes_read.labels(context_bucket=context_bucket(longest_context)).inc(
+            n_bytes
+        )
 
 
 def build_verify_metrics() -> VerifyServerMetrics:

@@ -1,8 +1,9 @@
 """The verify service: a ROUTER serving the gateway's Prefill/Verify/Release on a TargetEngine.
 
 One thread owns the socket, the engine and the data-plane link. Per message:
-- Hello: `wants_target_layers` sets which target layers the engine captures (refused while
-  requests are open with other layers: their feature streams would change shape mid-way).
+- Hello from service "gateway": `wants_target_layers` sets which target layers the engine
+  captures (refused while requests are open with other layers: their feature streams would
+  change shape mid-way). Other Hellos (health checks) change nothing.
 - Prefill: one engine.prefill per item; Verify: ONE batched engine.verify for the batch.
   Per-item failures (deadline, desync, unknown request, prompt too long, KV pool full) are
   `StepResult.error`; the other items and the loop go on.
@@ -17,7 +18,6 @@ import os
 import threading
 import time
 
-import torch
 import zmq
 
 from splitflash.protocol import (
@@ -45,20 +45,28 @@ from splitflash.services.verify.draft_link import DraftLink
 from splitflash.services.verify.engine import DesyncError, StepReport, TargetEngine, VerifyInput
 from splitflash.services.verify.metrics_server import build_verify_metrics, start_metrics_http
 from splitflash.services.verify.sampling import Sampling
+from splitflash.services.verify.steps import (
+    bytes_read,
+    committed_len,
+    error_result,
+    step_result,
+    verify_precheck,
+)
 
 log = logging.getLogger(__name__)
-
-
-def _error_result(request_id: str, base_len: int, error: str) -> StepResult:
-    return StepResult(request_id=request_id, committed_ids=[], commit_len=0, base_len=base_len,
-                      error=error)
 
 
 class VerifyServer:
     """`engine` None = load the model named by settings (the CLI path); tests pass one."""
 
-    def __init__(self, settings: VerifySettings, engine: TargetEngine | None = None,
-                 *, model_name: str | None = None, stop_ids: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        settings: VerifySettings,
+        engine: TargetEngine | None = None,
+        *,
+        model_name: str | None = None,
+        stop_ids: tuple[int, ...] | None = None,
+    ):
         self.settings = settings
         self.peer_id = settings.peer_id or f"verify-{os.getpid()}"
         if engine is None:
@@ -67,19 +75,29 @@ class VerifyServer:
             engine = load_engine(settings)
         self.engine = engine
         self.model_name = model_name or settings.target
-        cfg = engine.model.cfg
-        self.stop_ids = frozenset(cfg.eos_token_ids if stop_ids is None else stop_ids)
+        eos = engine.model.cfg.eos_token_ids
+        self.stop_ids = frozenset(eos if stop_ids is None else stop_ids)
         self.metrics = build_verify_metrics()
         self.stopping = threading.Event()
         self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, "router")
-        self.endpoint = bind(self._sock, settings.bind)
+        try:
+            self.endpoint = bind(self._sock, settings.bind)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise RuntimeError(f"verify cannot bind {settings.bind}: {e}") from e
         self._link = None
         if settings.draft_addr:
             self._link = DraftLink(
-                self._ctx, settings.draft_addr, peer_id=self.peer_id,
-                timeout_s=settings.features_timeout_s, retry_s=settings.draft_retry_s,
-                chunk_rows=settings.features_chunk_rows, on_failure=self.metrics.count_error,
+                self._ctx,
+                settings.draft_addr,
+                peer_id=self.peer_id,
+                timeout_s=settings.features_timeout_s,
+                retry_s=settings.draft_retry_s,
+                hello_timeout_s=settings.heartbeat_timeout_s,
+                chunk_rows=settings.features_chunk_rows,
+                on_failure=self.metrics.count_error,
             )
         self._feature_peers: set[str] = set()  # requests whose features go to the draft link
         self._http = None
@@ -100,14 +118,22 @@ class VerifyServer:
 
     def serve(self) -> None:
         """Serve until `stop()` (or SIGTERM via __main__); closes everything on the way out."""
-        self._http = start_metrics_http(self.metrics.registry, self.settings.metrics_host,
-                                        self.settings.metrics_port)
-        info = self.describe()
-        log.info("verify %s serving %s on %s: %s", self.peer_id, self.model_name, self.endpoint,
-                 ", ".join(f"{k}={v}" for k, v in info.items()))
         try:
-            serve_forever(self._sock, self.handle, self.stopping, requests=VERIFY_REQUESTS,
-                          responses=VERIFY_RESPONSES, on_error=self.metrics.count_error)
+            self._http = start_metrics_http(
+                self.metrics.registry, self.settings.metrics_host, self.settings.metrics_port
+            )
+            info = ", ".join(f"{k}={v}" for k, v in self.describe().items())
+            log.info(
+                "verify %s serving %s on %s: %s", self.peer_id, self.model_name, self.endpoint, info
+            )
+            serve_forever(
+                self._sock,
+                self.handle,
+                self.stopping,
+                requests=VERIFY_REQUESTS,
+                responses=VERIFY_RESPONSES,
+                on_error=self.metrics.count_error,
+            )
         finally:
             self.close()
 
@@ -145,146 +171,113 @@ class VerifyServer:
             self._update_kv_gauges()
 
     def _check_batch(self, n: int) -> None:
-        if n > self.settings.max_batch:
-            raise ProtocolError(f"batch of {n} items exceeds max_batch {self.settings.max_batch}")
+        if n > (limit := self.settings.max_batch):
+            raise ProtocolError(f"batch of {n} items exceeds max_batch {limit}")
 
     def _hello(self, msg: Hello):
+        if msg.service != "gateway":  # health checks, probes: they must not reset the layers
+            return answer_hello(msg, service="verify", model=self.model_name, info=self.describe())
         layers = tuple(msg.wants_target_layers)
         n_layers = self.engine.model.cfg.num_layers
         if any(i >= n_layers for i in layers):
-            return Error(code=ErrorCode.BAD_REQUEST,
-                         message=f"wants_target_layers {list(layers)}: target has {n_layers}")
+            return Error(
+                code=ErrorCode.BAD_REQUEST,
+                message=f"wants_target_layers {list(layers)}: target has {n_layers}",
+            )
         if layers != self.engine.feature_layer_ids:
             if self.engine.seqs:
-                return Error(code=ErrorCode.BAD_REQUEST, message=(
-                    f"cannot switch feature layers {list(self.engine.feature_layer_ids)} -> "
-                    f"{list(layers)} with {len(self.engine.seqs)} requests open"))
+                return Error(
+                    code=ErrorCode.BAD_REQUEST,
+                    message=(
+                        f"cannot switch feature layers {list(self.engine.feature_layer_ids)} -> "
+                        f"{list(layers)} with {len(self.engine.seqs)} requests open"
+                    ),
+                )
             log.info("capturing target layers %s for %s", list(layers), msg.peer_id)
             self.engine.feature_layer_ids = layers
         return answer_hello(msg, service="verify", model=self.model_name, info=self.describe())
 
     # --- prefill --------------------------------------------------------------------
     def _prefill(self, msg: Prefill, t0: float) -> PrefillReply:
+        """Each item alone (prompts differ in length); "forward" excludes feature sends."""
         results, forward = [], 0.0
         for item in msg.items:
             t = time.perf_counter()
-            results.append(self._prefill_one(item))
+            outcome = self._prefill_one(item)
             forward += time.perf_counter() - t
+            if isinstance(outcome, StepReport):
+                self._send_features(outcome)
+                outcome = self._result(outcome)
+            results.append(outcome)
         self.metrics.verify_seconds.observe(forward)
-        return PrefillReply(results=results,
-                            timings={"forward": forward, "total": time.perf_counter() - t0})
+        total = time.perf_counter() - t0
+        return PrefillReply(results=results, timings={"forward": forward, "total": total})
 
-    def _prefill_one(self, item: PrefillItem) -> StepResult:
+    def _prefill_one(self, item: PrefillItem) -> StepReport | StepResult:
         rid = item.request_id
         if time.time() > item.deadline:
-            return _error_result(rid, 0, "deadline: passed before prefill")
-        if item.draft_peer is not None and (self._link is None
-                                            or item.draft_peer != self.settings.draft_name):
-            configured = self.settings.draft_name if self._link else "none"
-            return _error_result(rid, 0, f"unknown draft_peer {item.draft_peer!r} "
-                                         f"(configured: {configured})")
+            return error_result(rid, 0, "deadline: passed before prefill")
+        peer, link_name = item.draft_peer, self.settings.draft_name if self._link else None
+        if peer is not None and peer != link_name:
+            return error_result(rid, 0, f"unknown draft_peer {peer!r} (configured: {link_name})")
         s = item.sampling
         sampling = Sampling(s.temperature, s.top_p, s.top_k, s.seed)
         room = self.engine.max_context - len(item.prompt_ids)
         try:
-            report = self.engine.prefill(rid, list(item.prompt_ids), sampling, self.stop_ids,
-                                         max(room, 1))
+            prompt = list(item.prompt_ids)
+            report = self.engine.prefill(rid, prompt, sampling, self.stop_ids, max(room, 1))
         except Exception as e:  # too long, pool full, duplicate id: this item fails only
             log.warning("prefill of %s failed: %s", rid, e)
-            return _error_result(rid, 0, f"{type(e).__name__}: {e}")
-        if item.draft_peer is not None:
+            return error_result(rid, 0, f"{type(e).__name__}: {e}")
+        if peer is not None:
             self._feature_peers.add(rid)
-        self._send_features(report)
-        return self._result(report)
+        return report
 
     # --- verify ---------------------------------------------------------------------
     def _verify(self, msg: Verify, t0: float) -> VerifyReply:
+        """ONE engine.verify for every item that passes its checks; "forward" is that call."""
         results: dict[int, StepResult] = {}
         inputs: list[tuple[int, VerifyInput]] = []
         now = time.time()
         for i, item in enumerate(msg.items):
-            error = self._verify_precheck(item, now)
-            if error is not None:
-                results[i] = _error_result(item.request_id, self._committed(item.request_id),
-                                           error)
+            rid = item.request_id
+            error = verify_precheck(self.engine, item, now)
+            if error is None:
+                max_commit = min(item.max_commit, self.engine.max_context - item.base_len)
+                inputs.append(
+                    (i, VerifyInput(rid, item.base_len, list(item.draft_ids), max_commit))
+                )
                 continue
-            room = self.engine.max_context - item.base_len
-            max_commit = min(item.max_commit, room)
-            inputs.append((i, VerifyInput(item.request_id, item.base_len, list(item.draft_ids),
-                                          max_commit)))
+            if error.startswith("desync"):
+                self.metrics.count_violations(["kv_length"])
+            results[i] = error_result(rid, committed_len(self.engine, rid), error)
         t = time.perf_counter()
-        if inputs:
-            for (i, inp), result in zip(inputs, self._run_verify([x for _, x in inputs]),
-                                        strict=True):
-                results[i] = result
+        reports = self._run_verify([x for _, x in inputs]) if inputs else []
         forward = time.perf_counter() - t
         self.metrics.verify_seconds.observe(forward)
+        for (i, _), report in zip(inputs, reports, strict=True):
+            if report.error is None:
+                self._send_features(report)
+            results[i] = self._result(report)
         ordered = [results[i] for i in range(len(msg.items))]
-        return VerifyReply(results=ordered,
-                           timings={"forward": forward, "total": time.perf_counter() - t0})
+        total = time.perf_counter() - t0
+        return VerifyReply(results=ordered, timings={"forward": forward, "total": total})
 
-    def _committed(self, rid: str) -> int:
-        seq = self.engine.seqs.get(rid)
-        return 0 if seq is None else len(seq.tokens)
-
-    def _verify_precheck(self, item, now: float) -> str | None:
-        """Why this item cannot run, checked before the batch so one bad item fails alone."""
-        rid = item.request_id
-        if now > item.deadline:
-            return "deadline: passed before verify"
-        seq = self.engine.seqs.get(rid)
-        if seq is None:
-            return f"unknown_request: {rid!r} is not open on verify (prefilled? released?)"
-        if item.base_len != len(seq.tokens):
-            self.metrics.count_violations(["kv_length"])
-            return (f"desync: gateway says base_len {item.base_len}, verify has "
-                    f"{len(seq.tokens)} committed tokens for {rid!r}")
-        if item.base_len >= self.engine.max_context:
-            return f"context full: {item.base_len} tokens, max_context {self.engine.max_context}"
-        return None
-
-    def _run_verify(self, inputs: list[VerifyInput]) -> list[StepResult]:
+    def _run_verify(self, inputs: list[VerifyInput]) -> list[StepReport]:
         try:
             reports = self.engine.verify(inputs)
         except DesyncError as e:  # the precheck makes this a bug; still a reply, never a crash
             log.error("engine desync after precheck: %s", e)
-            return [_error_result(x.request_id, self._committed(x.request_id), f"desync: {e}")
-                    for x in inputs]
-        longest = max(x.base_len for x in inputs)
-        self.metrics.add_kv_bytes(longest, self._bytes_read(inputs))
-        out = []
-        for report in reports:
-            if report.error is None:
-                self._send_features(report)
-            out.append(self._result(report))
-        return out
-
-    def _bytes_read(self, inputs: list[VerifyInput]) -> int:
-        """KV bytes the batch's attention read plus the weights read once per forward."""
-        kv = self.engine.cache.k  # [L, P, S, H_KV, D]; K and V both read
-        per_token = 2 * kv.shape[0] * kv.shape[3] * kv.shape[4] * kv.element_size()
-        return sum(x.base_len for x in inputs) * per_token + self._weight_bytes
-
-    def _result(self, report: StepReport) -> StepResult:
-        rid = report.request_id
-        if report.error is not None or report.outcome is None:
-            return _error_result(rid, self._committed(rid), report.error or "no outcome")
-        self.metrics.count_violations(report.violations)
-        o = report.outcome
-        reason = None
-        if report.finished:
-            reason = "stop" if o.committed and o.committed[-1] in self.stop_ids else "length"
-        return StepResult(request_id=rid, committed_ids=list(o.committed),
-                          commit_len=o.commit_len, accepted_drafts=o.accepted_drafts,
-                          accepted_depth=o.accepted_depth, draft_tokens=o.draft_tokens,
-                          base_len=report.committed_len, finished_reason=reason)
+            return [StepReport(x.request_id, None, 0, error=f"desync: {e}") for x in inputs]
+        base_lens = [x.base_len for x in inputs]
+        kv_bytes = bytes_read(self.engine, base_lens, self._weight_bytes)
+        self.metrics.add_kv_bytes(max(base_lens), kv_bytes)
+        return reports
 
     def _send_features(self, report: StepReport) -> None:
-        feats: torch.Tensor | None = report.features
-        if self._link is None or feats is None or report.request_id not in self._feature_peers:
-            return
-        self._link.send(report.request_id, report.feature_start, feats,
-                        self.engine.feature_layer_ids)
+        rid, feats = report.request_id, report.features  # feats [kept rows, F] or None
+        if self._link is not None and feats is not None and rid in self._feature_peers:
+            self._link.send(rid, report.feature_start, feats, self.engine.feature_layer_ids)
 
     # --- release --------------------------------------------------------------------
     def _release(self, msg: Release) -> ReleaseReply:
@@ -298,3 +291,7 @@ class VerifyServer:
     def _update_kv_gauges(self) -> None:
         cache = self.engine.cache
         self.metrics.set_kv(cache.used_pages, cache.num_pages)
+
+    def _result(self, report: StepReport) -> StepResult:
+        self.metrics.count_violations(report.violations)
+        return step_result(self.engine, report, self.stop_ids)

@@ -1,0 +1,141 @@
+"""Pooled mean commit_len of a DFlash drafter over held-out prompts (greedy, local loop).
+
+The loop is `splitflash.local.generate_local` plus the feature path: after every target step
+the kept rows' hidden features go into the drafter, and the drafter's context length is
+checked against the target's KV length before every proposal.
+
+    python -m bench.drafter --drafter DIR --data DIR --device cuda --block-sizes 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from splitflash.models.dflash import DFlashDesyncError
+from splitflash.services.common.spec_stats import SpecStats
+from splitflash.services.verify.engine import TargetEngine, VerifyInput
+from splitflash.services.verify.sampling import Sampling
+
+
+def generate_dflash(engine: TargetEngine, proposer, prompt: list[int], max_tokens: int,
+                    block_size: int, stop_ids=()) -> tuple[list[int], SpecStats]:
+    """Greedy speculative decoding of one prompt; proposer None = target only."""
+    rid = uuid.uuid4().hex
+    stats = SpecStats()
+    report = engine.prefill(rid, prompt, Sampling(), stop_ids, max_tokens)
+    out = list(report.outcome.committed)
+    try:
+        if proposer is not None:
+            proposer.open(rid, prompt)
+            proposer.extend(rid, out, len(prompt) + len(out))
+            proposer.add_features(rid, report.feature_start, report.features)
+        finished = report.finished
+        while not finished:
+            drafts: list[int] = []
+            if proposer is not None:
+                kv_len = engine.cache.seq(rid).length
+                if proposer.context_len(rid) != kv_len:
+                    raise DFlashDesyncError(f"drafter context {proposer.context_len(rid)} != "
+                                            f"target KV length {kv_len}")
+                drafts = proposer.propose(rid, block_size - 1)
+            base_len = len(prompt) + len(out)
+            (report,) = engine.verify([VerifyInput(rid, base_len, drafts, max_tokens - len(out))])
+            if report.error:
+                raise RuntimeError(report.error)
+            o = report.outcome
+            stats.record(o.draft_tokens, o.draft_tokens, o.accepted_drafts, o.commit_len)
+            out.extend(o.committed)
+            finished = report.finished
+            if proposer is not None and not finished:
+                proposer.extend(rid, o.committed, len(prompt) + len(out))
+                proposer.add_features(rid, report.feature_start, report.features)
+    finally:
+        engine.release(rid)
+        if proposer is not None:
+            proposer.release(rid)
+    return out, stats
+
+
+def measure_commit_len(engine: TargetEngine, proposer, prompts: list[list[int]],
+                       max_tokens: int, block_size: int, stop_ids=()) -> dict:
+    """Pooled figures over all prompts: sum(c) / steps, never a mean of per-prompt means."""
+    pooled = SpecStats()
+    t0 = time.perf_counter()
+    tokens = 0
+    for prompt in prompts:
+        out, stats = generate_dflash(engine, proposer, prompt, max_tokens, block_size, stop_ids)
+        pooled.merge(stats)
+        tokens += len(out)
+    seconds = time.perf_counter() - t0
+    return {"block_size": block_size, "prompts": len(prompts), "tokens": tokens,
+            "seconds": round(seconds, 2), **pooled.to_dict()}
+
+
+def eval_prompts(data_dir: Path, n: int) -> list[list[int]]:
+    """Held-out prompts (split 'eval': their source files were never used for training)."""
+    from splitflash.training.data import read_jsonl
+    from splitflash.training.responses import PROMPTS
+
+    rows = [r["ids"] for r in read_jsonl(data_dir / PROMPTS) if r["split"] == "eval"]
+    if not rows:
+        raise ValueError(f"{data_dir / PROMPTS} holds no held-out ('eval') prompts")
+    return rows[:n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from splitflash.cli.generate import stop_token_ids
+    from splitflash.models import store
+    from splitflash.models.kv_cache import PagedKVCache
+    from splitflash.models.loading import load_target, load_tokenizer
+    from splitflash.services.draft.dflash_drafter import default_drafter_path, load_proposer
+
+    p = argparse.ArgumentParser(prog="python -m bench.drafter", description=__doc__)
+    p.add_argument("--target", default=store.DEFAULT_TARGET)
+    p.add_argument("--drafter", type=Path, default=None, help="DFlash dir (default: shipped)")
+    p.add_argument("--data", type=Path, required=True, help="dir with prompts.jsonl")
+    p.add_argument("--n-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json-out", type=Path, default=None)
+    args = p.parse_args(argv)
+    path = store.resolve(args.target)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = load_target(path, device=args.device, dtype=dtype)
+    cfg, tokenizer = model.cfg, load_tokenizer(path)
+    proposer = load_proposer(args.drafter or default_drafter_path(args.target),
+                             model.embed_tokens, model.lm_head.weight, cfg.num_layers,
+                             args.device, dtype)
+    cache = PagedKVCache(cfg.num_layers, 1024, 16, cfg.num_kv_heads, cfg.head_dim,
+                         dtype=dtype, device=args.device)
+    engine = TargetEngine(model, cache, feature_layer_ids=proposer.target_layer_ids)
+    prompts = eval_prompts(args.data, args.n_prompts)
+    stops = stop_token_ids(tokenizer, cfg)
+    results = [measure_commit_len(engine, proposer, prompts, args.max_tokens, b, stops)
+               for b in args.block_sizes]
+    table = Table(title=f"DFlash {proposer.policy_string()}")
+    for col in ("block", "prompts", "tokens", "steps", "mean commit_len", "acceptance", "s"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(str(r["block_size"]), str(r["prompts"]), str(r["tokens"]),
+                      str(r["steps"]), f"{r['mean_commit_len']:.3f}",
+                      f"{r['acceptance_rate']:.3f}", str(r["seconds"]))
+    Console().print(table)
+    print(json.dumps(results))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""DFlash behind the draft service's drafter interface (see registry.py).
+
+Per request the drafter holds the committed tokens and a `DFlashState` whose context K/V
+hold the target features of every committed token but the last, which is the next block's
+anchor. Invariant checked on every proposal: context length == committed length - 1 (the
+target's KV length); a mismatch raises `DFlashDesyncError`, never a silent bad draft.
+Order per step: extend(committed ids) and add_features(rows of the kept positions) in either
+order, then propose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from splitflash.models.dflash import DFlashDesyncError, DFlashDrafter, DFlashState, load_dflash
+from splitflash.models.dflash.config import SLIDING
+
+ASSET_DIR = Path(__file__).resolve().parents[2] / "assets" / "drafters"
+DEFAULT_DRAFTERS = {"smollm2-135m": "smollm2-135m-dflash"}
+
+
+def default_drafter_path(target: str = "smollm2-135m") -> Path:
+    """The drafter shipped for a named target (splitflash/assets/drafters/...)."""
+    if target not in DEFAULT_DRAFTERS:
+        raise ValueError(f"no shipped DFlash drafter for target {target!r}; "
+                         f"give one as dflash:PATH (shipped: {sorted(DEFAULT_DRAFTERS)})")
+    path = ASSET_DIR / DEFAULT_DRAFTERS[target]
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"shipped drafter missing at {path} (train one with "
+                                f"`splitflash train-drafter --out {path}`)")
+    return path
+
+
+@dataclass
+class DFlashDraftState:
+    tokens: list[int]  # committed tokens: prompt + generated
+    cache: DFlashState
+
+
+class DFlashProposer:
+    name = "dflash"
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+        self.requests: dict[str, DFlashDraftState] = {}
+        self._keys_read: dict[str, int] = {}
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.drafter.config.target_layer_ids)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.drafter.config.block_size - 1
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"DFlash drafter: request {request_id!r} is already open")
+        self.requests[request_id] = DFlashDraftState(list(prompt_ids), self.drafter.new_state())
+
+    def _get(self, request_id: str) -> DFlashDraftState:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise DFlashDesyncError(f"DFlash drafter: unknown request {request_id!r}") from None
+
+    def extend(self, request_id: str, new_ids: list[int], base_len: int) -> None:
+        """Add tokens committed since the last call; base_len is the new committed length."""
+        st = self._get(request_id)
+        if len(st.tokens) + len(new_ids) != base_len:
+            raise DFlashDesyncError(
+                f"DFlash drafter out of step for {request_id!r}: holds {len(st.tokens)} "
+                f"tokens + {len(new_ids)} new != committed length {base_len}")
+        st.tokens.extend(int(t) for t in new_ids)
+
+    def add_features(self, request_id: str, start_pos: int, features: torch.Tensor) -> None:
+        """Target features [n, K*D] of the committed positions start_pos .. start_pos + n - 1
+        (the verify step's kept rows); start_pos must equal the context held."""
+        self.drafter.append_context(self._get(request_id).cache, features, start_pos)
+
+    def release(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)  # idempotent
+
+    def context_len(self, request_id: str) -> int:
+        return self._get(request_id).cache.n_ctx
+
+    # ---- drafting ------------------------------------------------------------------------
+    def _anchor(self, request_id: str) -> tuple[DFlashDraftState, int, int]:
+        st = self._get(request_id)
+        if not st.tokens:
+            raise ValueError(f"DFlash drafter: request {request_id!r} has no tokens")
+        anchor_pos = len(st.tokens) - 1
+        if st.cache.n_ctx != anchor_pos:
+            raise DFlashDesyncError(
+                f"DFlash drafter out of step for {request_id!r}: holds features of "
+                f"{st.cache.n_ctx} tokens but {len(st.tokens)} are committed (expected "
+                f"{anchor_pos}: every committed token but the anchor)")
+        return st, st.tokens[-1], anchor_pos
+
+    def propose(self, request_id: str, k: int) -> list[int]:
+        """Greedy block draft: at most k (and at most block_size - 1) tokens."""
+        return self.propose_batch([request_id], k)[0]
+
+    def propose_batch(self, request_ids: Sequence[str], k: int) -> list[list[int]]:
+        """One drafter forward for many requests (each gets min(k, B-1) tokens)."""
+        k = min(int(k), self.max_drafts)
+        if k <= 0 or not request_ids:
+            return [[] for _ in request_ids]
+        picked = [self._anchor(r) for r in request_ids]
+        logits = self.drafter.draft_batch([p[0].cache for p in picked], [p[1] for p in picked],
+                                          [p[2] for p in picked], block_size=k + 1)
+        for p in picked:
+            for kind, layer_reads in zip(p[0].cache.layer_kinds, p[0].cache.keys_read_last,
+                                         strict=True):
+                self._keys_read[kind] = self._keys_read.get(kind, 0) + layer_reads
+        return logits.argmax(-1).tolist()  # [N, k]
+
+    # ---- facts for logs and metrics ------------------------------------------------------
+    def policy_string(self) -> str:
+        return self.drafter.policy_string()
+
+    def attention_policy(self):
+        """(in force, as the checkpoint declares, source): per layer (kind, window)."""
+        cfg = self.drafter.config
+        in_force = [("sliding" if p.kind == "sliding" else "full", p.window)
+                    for p in self.drafter.policy]
+        declared = [("sliding", cfg.sliding_window) if t == SLIDING else ("full", None)
+                    for t in cfg.layer_types]
+        return in_force, declared, self.drafter.window_override
+
+    def pop_keys_read(self) -> dict[str, int]:
+        out, self._keys_read = self._keys_read, {}
+        return out
+
+
+def load_proposer(path: str | Path, embed_tokens: nn.Embedding, lm_head_weight: torch.Tensor,
+                  target_num_layers: int, device: str = "cpu", dtype: torch.dtype | None = None,
+                  window_override: str = "checkpoint") -> DFlashProposer:
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    drafter = load_dflash(path, embed_tokens, lm_head_weight, target_num_layers, dtype, device,
+                          window_override=window_override)
+    return DFlashProposer(drafter)
+
+
+def build_dflash_drafter(path: str | None = None, target: str = "smollm2-135m",
+                         device: str = "cpu", window_override: str = "checkpoint"):
+    """The draft service's factory: loads only the target's embedding and LM head."""
+    from splitflash.models import store
+    from splitflash.models.loading import load_checkpoint
+
+    tcfg, state = load_checkpoint(store.resolve(target))
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    weight = state["embed_tokens.weight"].to(device=device, dtype=dtype)
+    embed = nn.Embedding.from_pretrained(weight, freeze=True)
+    head = state["lm_head.weight"].to(device=device, dtype=dtype) if (
+        "lm_head.weight" in state and not tcfg.tie_word_embeddings) else weight
+    ckpt = path or default_drafter_path(target if target in DEFAULT_DRAFTERS else "smollm2-135m")
+    return load_proposer(ckpt, embed, head, tcfg.num_layers, device, dtype, window_override)
