@@ -24,8 +24,9 @@ from splitflash.services.verify.engine import TargetEngine, VerifyInput
 from splitflash.services.verify.sampling import Sampling
 
 
-def generate_dflash(engine: TargetEngine, proposer, prompt: list[int], max_tokens: int,
-                    block_size: int, stop_ids=()) -> tuple[list[int], SpecStats]:
+def generate_dflash(
+    engine: TargetEngine, proposer, prompt: list[int], max_tokens: int, block_size: int, stop_ids=()
+) -> tuple[list[int], SpecStats]:
     """Greedy speculative decoding of one prompt; proposer None = target only."""
     rid = uuid.uuid4().hex
     stats = SpecStats()
@@ -42,8 +43,9 @@ def generate_dflash(engine: TargetEngine, proposer, prompt: list[int], max_token
             if proposer is not None:
                 kv_len = engine.cache.seq(rid).length
                 if proposer.context_len(rid) != kv_len:
-                    raise DFlashDesyncError(f"drafter context {proposer.context_len(rid)} != "
-                                            f"target KV length {kv_len}")
+                    raise DFlashDesyncError(
+                        f"drafter context {proposer.context_len(rid)} != target KV length {kv_len}"
+                    )
                 drafts = proposer.propose(rid, block_size - 1)
             base_len = len(prompt) + len(out)
             (report,) = engine.verify([VerifyInput(rid, base_len, drafts, max_tokens - len(out))])
@@ -63,8 +65,14 @@ def generate_dflash(engine: TargetEngine, proposer, prompt: list[int], max_token
     return out, stats
 
 
-def measure_commit_len(engine: TargetEngine, proposer, prompts: list[list[int]],
-                       max_tokens: int, block_size: int, stop_ids=()) -> dict:
+def measure_commit_len(
+    engine: TargetEngine,
+    proposer,
+    prompts: list[list[int]],
+    max_tokens: int,
+    block_size: int,
+    stop_ids=(),
+) -> dict:
     """Pooled figures over all prompts: sum(c) / steps, never a mean of per-prompt means."""
     pooled = SpecStats()
     t0 = time.perf_counter()
@@ -74,8 +82,13 @@ def measure_commit_len(engine: TargetEngine, proposer, prompts: list[list[int]],
         pooled.merge(stats)
         tokens += len(out)
     seconds = time.perf_counter() - t0
-    return {"block_size": block_size, "prompts": len(prompts), "tokens": tokens,
-            "seconds": round(seconds, 2), **pooled.to_dict()}
+    return {
+        "block_size": block_size,
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        **pooled.to_dict(),
+    }
 
 
 def eval_prompts(data_dir: Path, n: int) -> list[list[int]]:
@@ -113,23 +126,37 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = load_target(path, device=args.device, dtype=dtype)
     cfg, tokenizer = model.cfg, load_tokenizer(path)
-    proposer = load_proposer(args.drafter or default_drafter_path(args.target),
-                             model.embed_tokens, model.lm_head.weight, cfg.num_layers,
-                             args.device, dtype)
-    cache = PagedKVCache(cfg.num_layers, 1024, 16, cfg.num_kv_heads, cfg.head_dim,
-                         dtype=dtype, device=args.device)
+    proposer = load_proposer(
+        args.drafter or default_drafter_path(args.target),
+        model.embed_tokens,
+        model.lm_head.weight,
+        cfg.num_layers,
+        args.device,
+        dtype,
+    )
+    cache = PagedKVCache(
+        cfg.num_layers, 1024, 16, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=args.device
+    )
     engine = TargetEngine(model, cache, feature_layer_ids=proposer.target_layer_ids)
     prompts = eval_prompts(args.data, args.n_prompts)
     stops = stop_token_ids(tokenizer, cfg)
-    results = [measure_commit_len(engine, proposer, prompts, args.max_tokens, b, stops)
-               for b in args.block_sizes]
+    results = [
+        measure_commit_len(engine, proposer, prompts, args.max_tokens, b, stops)
+        for b in args.block_sizes
+    ]
     table = Table(title=f"DFlash {proposer.policy_string()}")
     for col in ("block", "prompts", "tokens", "steps", "mean commit_len", "acceptance", "s"):
         table.add_column(col)
     for r in results:
-        table.add_row(str(r["block_size"]), str(r["prompts"]), str(r["tokens"]),
-                      str(r["steps"]), f"{r['mean_commit_len']:.3f}",
-                      f"{r['acceptance_rate']:.3f}", str(r["seconds"]))
+        table.add_row(
+            str(r["block_size"]),
+            str(r["prompts"]),
+            str(r["tokens"]),
+            str(r["steps"]),
+            f"{r['mean_commit_len']:.3f}",
+            f"{r['acceptance_rate']:.3f}",
+            str(r["seconds"]),
+        )
     Console().print(table)
     print(json.dumps(results))
     if args.json_out:

@@ -68,19 +68,28 @@ def run(args) -> int:
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
     torch.manual_seed(0)
     gen = generate_local(
-        engine, drafter, prompt_ids, args.max_tokens, sampling,
-        stop_token_ids(tokenizer, cfg), args.block_size,
+        engine,
+        drafter,
+        prompt_ids,
+        args.max_tokens,
+        sampling,
+        stop_token_ids(tokenizer, cfg),
+        args.block_size,
     )
     text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
     stats = gen.stats.to_dict()
     if args.json:
-        print(json.dumps({
-            "text": text,
-            "token_ids": gen.token_ids,
-            "tokens_per_second": round(gen.tokens_per_second, 3),
-            "finish_reason": gen.finish_reason,
-            "speculative_decoding_stats": stats,
-        }))
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "token_ids": gen.token_ids,
+                    "tokens_per_second": round(gen.tokens_per_second, 3),
+                    "finish_reason": gen.finish_reason,
+                    "speculative_decoding_stats": stats,
+                }
+            )
+        )
         return 0
     console = Console()
     console.print(text)

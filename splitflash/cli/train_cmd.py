@@ -41,10 +41,18 @@ def register(sub) -> None:
     p.add_argument("--max-new", type=int, default=256, help="tokens per regenerated response")
     p.add_argument("--gen-batch", type=int, default=256, help="prompts per generation batch")
     p.add_argument("--temperature", type=float, default=0.0, help="response sampling (0=greedy)")
-    p.add_argument("--gen-budget", type=float, default=None,
-                   help="seconds of response generation (no new batch after it)")
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds of training; fewer steps are planned if they would not fit")
+    p.add_argument(
+        "--gen-budget",
+        type=float,
+        default=None,
+        help="seconds of response generation (no new batch after it)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds of training; fewer steps are planned if they would not fit",
+    )
     p.add_argument("--ckpt-every", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -87,31 +95,52 @@ def run(args) -> int:
     t_gen = time.perf_counter()
     with Progress(console=console) as bar:
         task = bar.add_task("target regenerates responses", total=None)
-        n = generate_responses(target, data_dir, args.max_new, args.gen_batch,
-                               stop_token_ids(tokenizer, tcfg), "train", args.prompts,
-                               args.temperature, lambda k: bar.advance(task, k),
-                               args.gen_budget)
+        n = generate_responses(
+            target,
+            data_dir,
+            args.max_new,
+            args.gen_batch,
+            stop_token_ids(tokenizer, tcfg),
+            "train",
+            args.prompts,
+            args.temperature,
+            lambda k: bar.advance(task, k),
+            args.gen_budget,
+        )
     seqs = load_sequences(data_dir, "train")
     console.print(f"generation: {time.perf_counter() - t_gen:.1f}s")
-    console.print(f"{n} new responses; {len(seqs)} training sequences, "
-                  f"{sum(len(s[0]) for s in seqs)} tokens")
+    console.print(
+        f"{n} new responses; {len(seqs)} training sequences, {sum(len(s[0]) for s in seqs)} tokens"
+    )
     config = drafter_config(
-        tcfg, layers=args.layers, window=args.window or None, block_size=args.block_size,
+        tcfg,
+        layers=args.layers,
+        window=args.window or None,
+        block_size=args.block_size,
         target_layer_ids=parse_layer_ids(args.target_layers, tcfg.num_layers),
         mask_token_id=pick_mask_token(tokenizer, tcfg.vocab_size),
         intermediate_size=args.intermediate,
     )
     drafter = DFlashDrafter(config, target.embed_tokens, target.lm_head.weight).to(dev)
-    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len,
-                      anchors=args.anchors_per_seq, lr=args.lr, gamma=args.gamma,
-                      ckpt_every=args.ckpt_every, seed=args.seed,
-                      time_budget_s=args.time_budget)
+    cfg = TrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        anchors=args.anchors_per_seq,
+        lr=args.lr,
+        gamma=args.gamma,
+        ckpt_every=args.ckpt_every,
+        seed=args.seed,
+        time_budget_s=args.time_budget,
+    )
     trainer = Trainer(target, drafter, seqs, cfg, args.out, args.device)
     if args.resume and trainer.load_state():
         console.print(f"resumed at step {trainer.step}/{trainer.total}")
-    console.print(f"drafter: {drafter.policy_string()}; target layers "
-                  f"{list(config.target_layer_ids)}; "
-                  f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters")
+    console.print(
+        f"drafter: {drafter.policy_string()}; target layers "
+        f"{list(config.target_layer_ids)}; "
+        f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters"
+    )
     summary = trainer.fit(log=lambda s: console.print(s))
     trainer.export(args.out)
     summary["data_tokens"] = sum(len(s[0]) for s in seqs)

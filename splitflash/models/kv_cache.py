@@ -74,9 +74,7 @@ class PagedKVCache:
 
     def can_reserve(self, needs: dict[str, int]) -> bool:
         """Whether every sequence in `needs` can grow to its new length at once."""
-        extra = sum(
-            max(0, self.pages_for(n) - len(self.seq(s).pages)) for s, n in needs.items()
-        )
+        extra = sum(max(0, self.pages_for(n) - len(self.seq(s).pages)) for s, n in needs.items())
         return extra <= len(self._free)
 
     def reserve(self, seq_id: str, new_length: int) -> None:

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from splitflash.models.dflash.model import DFlashDrafter
 
 
-def block_masks(anchors: torch.Tensor, t: int, block: int, window: int | None,
-                causal: bool) -> torch.Tensor:
+def block_masks(
+    anchors: torch.Tensor, t: int, block: int, window: int | None, causal: bool
+) -> torch.Tensor:
     """anchors [N, A] -> visibility [N, Q, S] bool (see the module docstring)."""
     n, a = anchors.shape
     dev = anchors.device
@@ -41,8 +42,13 @@ def block_masks(anchors: torch.Tensor, t: int, block: int, window: int | None,
     return torch.cat([ctx, own], dim=2)
 
 
-def block_hidden(drafter: DFlashDrafter, features: torch.Tensor, ids: torch.Tensor,
-                 anchors: torch.Tensor, block: int) -> torch.Tensor:
+def block_hidden(
+    drafter: DFlashDrafter,
+    features: torch.Tensor,
+    ids: torch.Tensor,
+    anchors: torch.Tensor,
+    block: int,
+) -> torch.Tensor:
     """Final-norm hidden states of block positions 1..B-1: [N, A, B - 1, D].
 
     features [N, T, K*D] of the target at positions 0..T-1; ids [N, T]; anchors [N, A]
@@ -89,8 +95,9 @@ def block_logits(drafter: DFlashDrafter, features, ids, anchors, block: int) -> 
     return h @ head.to(h.dtype).T
 
 
-def sample_anchors(lengths: list[int], starts: list[int], count: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    lengths: list[int], starts: list[int], count: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `count` distinct anchors per row in [start, length - 2] (each has >= 1 label).
 
     Returns anchors [N, A] long and valid [N, A] bool; unused slots repeat the first anchor.
@@ -107,8 +114,14 @@ def sample_anchors(lengths: list[int], starts: list[int], count: int,
     return torch.tensor(rows, dtype=torch.long), torch.tensor(valid, dtype=torch.bool)
 
 
-def block_loss(logits: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
-               anchors: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
+def block_loss(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    gamma: float,
+) -> torch.Tensor:
     """Cross-entropy over block positions k = 1..B-1 weighted by exp(-(k-1)/gamma).
 
     logits [N, A, B-1, V]; ids [N, T]; lengths [N]; anchors, valid [N, A]. Labels past a

@@ -55,7 +55,7 @@ def _code_chunks(text: str) -> Iterator[str]:
     if not starts:
         return
     for a, b in zip(starts, starts[1:] + [len(lines)], strict=False):
-        chunk = "\n".join(lines[a:min(b, a + 40)]).strip()
+        chunk = "\n".join(lines[a : min(b, a + 40)]).strip()
         if 120 <= len(chunk) <= MAX_DOC_CHARS:
             yield chunk
 
@@ -104,8 +104,11 @@ def _text_files(roots: list[Path]) -> Iterator[Path]:
             continue
         for path in sorted(root.rglob("*")):
             low = path.name.lower()
-            if path.is_file() and (low.endswith((".md", ".md.gz", ".rst", ".txt"))
-                                   or low.startswith(names)) and path.stat().st_size < 2**20:
+            if (
+                path.is_file()
+                and (low.endswith((".md", ".md.gz", ".rst", ".txt")) or low.startswith(names))
+                and path.stat().st_size < 2**20
+            ):
                 yield path
 
 

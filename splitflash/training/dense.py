@@ -43,8 +43,9 @@ def _attend(model: TargetModel, q, k, v, mask) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_features(model: TargetModel, ids: torch.Tensor,
-                    layer_ids: tuple[int, ...]) -> torch.Tensor:
+def target_features(
+    model: TargetModel, ids: torch.Tensor, layer_ids: tuple[int, ...]
+) -> torch.Tensor:
     """Hidden features of right-padded rows: ids [B, T] -> [B, T, K * D].
 
     Layer id i = output of decoder layer i, as `TargetModel.forward(hidden_layer_ids=...)`.
@@ -88,9 +89,14 @@ def _step(model: TargetModel, ids, positions, kv, valid, start: int) -> torch.Te
 
 
 @torch.no_grad()
-def generate_batch(model: TargetModel, prompts: list[list[int]], max_new: int,
-                   stop_ids, temperature: float = 0.0,
-                   generator: torch.Generator | None = None) -> list[list[int]]:
+def generate_batch(
+    model: TargetModel,
+    prompts: list[list[int]],
+    max_new: int,
+    stop_ids,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
     """Decode every prompt (left-padded into one batch); returns each response's ids,
     ending with its stop token when one came before max_new."""
     if not prompts or any(not p for p in prompts):
@@ -102,13 +108,15 @@ def generate_batch(model: TargetModel, prompts: list[list[int]], max_new: int,
     ids = torch.zeros(b, plen, dtype=torch.long, device=dev)
     valid = torch.zeros(b, total, dtype=torch.bool, device=dev)
     for r, p in enumerate(prompts):
-        ids[r, plen - len(p):] = torch.as_tensor(p, device=dev)
-        valid[r, plen - len(p):] = True
+        ids[r, plen - len(p) :] = torch.as_tensor(p, device=dev)
+        valid[r, plen - len(p) :] = True
     valid[:, plen:] = True  # generated columns are real tokens in every row
     pos = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, total] per-row positions
     shape = (b, cfg.num_kv_heads, total, cfg.head_dim)
-    kv = ([torch.zeros(shape, dtype=dtype, device=dev) for _ in model.layers],
-          [torch.zeros(shape, dtype=dtype, device=dev) for _ in model.layers])
+    kv = (
+        [torch.zeros(shape, dtype=dtype, device=dev) for _ in model.layers],
+        [torch.zeros(shape, dtype=dtype, device=dev) for _ in model.layers],
+    )
     stop = torch.as_tensor(sorted(set(stop_ids)) or [-1], device=dev)
     out = torch.zeros(b, max_new, dtype=torch.long, device=dev)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
@@ -125,7 +133,7 @@ def generate_batch(model: TargetModel, prompts: list[list[int]], max_new: int,
         if n + 1 == max_new or bool(done.all()):
             break
         col = plen + n
-        logits = _step(model, tok[:, None], pos[:, col:col + 1], kv, valid, col)
+        logits = _step(model, tok[:, None], pos[:, col : col + 1], kv, valid, col)
     rows = out[:, : n + 1].tolist()
     stops = set(stop_ids)
     result = []

@@ -43,10 +43,17 @@ def pick_mask_token(tokenizer, vocab_size: int) -> int:
     return max(specials) if specials else vocab_size - 1
 
 
-def drafter_config(target: TargetConfig, *, layers: int = 3, window: int | None = 512,
-                   block_size: int = 16, target_layer_ids: tuple[int, ...] | None = None,
-                   mask_token_id: int = 0, intermediate_size: int = 1024,
-                   causal: bool = False) -> DFlashConfig:
+def drafter_config(
+    target: TargetConfig,
+    *,
+    layers: int = 3,
+    window: int | None = 512,
+    block_size: int = 16,
+    target_layer_ids: tuple[int, ...] | None = None,
+    mask_token_id: int = 0,
+    intermediate_size: int = 1024,
+    causal: bool = False,
+) -> DFlashConfig:
     """Qwen3-style drafter with the target's width (embedding and head are shared).
 
     Every layer but the last slides over `window` context keys (None: all full); the last
@@ -57,12 +64,20 @@ def drafter_config(target: TargetConfig, *, layers: int = 3, window: int | None 
     types = [SLIDING if window else FULL] * (layers - 1) + [FULL]
     ids = target_layer_ids or default_target_layer_ids(target.num_layers)
     return DFlashConfig(
-        hidden_size=target.hidden_size, num_hidden_layers=layers,
-        num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads,
-        head_dim=target.head_dim, intermediate_size=intermediate_size,
-        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-        vocab_size=target.vocab_size, layer_types=tuple(types),
-        sliding_window=window if window else None, target_layer_ids=tuple(ids),
-        mask_token_id=mask_token_id, block_size=block_size, causal=causal,
+        hidden_size=target.hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=target.num_heads,
+        num_key_value_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        intermediate_size=intermediate_size,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        vocab_size=target.vocab_size,
+        layer_types=tuple(types),
+        sliding_window=window if window else None,
+        target_layer_ids=tuple(ids),
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        causal=causal,
         num_target_layers=target.num_layers,
     )

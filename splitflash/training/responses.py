@@ -30,11 +30,18 @@ def done_indices(path: Path) -> set[int]:
     return {int(json.loads(line)["i"]) for line in path.read_text(encoding="utf-8").splitlines()}
 
 
-def generate_responses(model: TargetModel, data_dir: Path, max_new: int, batch: int,
-                       stop_ids, split: str = "train", limit: int | None = None,
-                       temperature: float = 0.0,
-                       progress: Callable[[int], None] | None = None,
-                       time_budget_s: float | None = None) -> int:
+def generate_responses(
+    model: TargetModel,
+    data_dir: Path,
+    max_new: int,
+    batch: int,
+    stop_ids,
+    split: str = "train",
+    limit: int | None = None,
+    temperature: float = 0.0,
+    progress: Callable[[int], None] | None = None,
+    time_budget_s: float | None = None,
+) -> int:
     """Generate the missing responses of `split` prompts; returns how many were written.
     With a time budget no new batch starts once it is spent (the rest waits for a rerun)."""
     t0 = time.perf_counter()
@@ -52,9 +59,10 @@ def generate_responses(model: TargetModel, data_dir: Path, max_new: int, batch: 
         for lo in range(0, len(todo), batch):
             if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
                 break
-            chunk = todo[lo:lo + batch]
-            outs = generate_batch(model, [prompts[i]["ids"] for i in chunk], max_new, stop_ids,
-                                  temperature, gen)
+            chunk = todo[lo : lo + batch]
+            outs = generate_batch(
+                model, [prompts[i]["ids"] for i in chunk], max_new, stop_ids, temperature, gen
+            )
             for i, ids in zip(chunk, outs, strict=True):
                 f.write(json.dumps({"i": i, "ids": ids}) + "\n")
             f.flush()

@@ -63,15 +63,23 @@ def _tau_estimate(logits, ids, lengths, anchors, valid) -> float:
 
 
 class Trainer:
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter, seqs, cfg: TrainConfig,
-                 out_dir: Path, device: str) -> None:
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDrafter,
+        seqs,
+        cfg: TrainConfig,
+        out_dir: Path,
+        device: str,
+    ) -> None:
         usable = [s for s in seqs if s[1] <= min(len(s[0]), cfg.seq_len) - 3]
         if not usable:
             raise ValueError("no training sequence has a response inside --seq-len")
         self.target, self.drafter, self.seqs, self.cfg = target, drafter, usable, cfg
         self.out_dir, self.device = Path(out_dir), torch.device(device)
-        self.opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                     weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(
+            drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
         self.step, self.total = 0, cfg.steps
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.py_rng = random.Random(cfg.seed)
@@ -80,10 +88,15 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------
     def save_state(self) -> None:
         state = {
-            "drafter": self.drafter.state_dict(), "opt": self.opt.state_dict(),
-            "step": self.step, "total": self.total, "train_config": asdict(self.cfg),
-            "dflash_config": self.drafter.config.to_dict(), "gen": self.gen.get_state(),
-            "py_rng": self.py_rng.getstate(), "torch_rng": torch.get_rng_state(),
+            "drafter": self.drafter.state_dict(),
+            "opt": self.opt.state_dict(),
+            "step": self.step,
+            "total": self.total,
+            "train_config": asdict(self.cfg),
+            "dflash_config": self.drafter.config.to_dict(),
+            "gen": self.gen.get_state(),
+            "py_rng": self.py_rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "history": self.history,
         }
@@ -98,8 +111,10 @@ class Trainer:
             return False
         state = torch.load(path, map_location=self.device, weights_only=False)
         if state["dflash_config"] != self.drafter.config.to_dict():
-            raise ValueError(f"{path} was written for another drafter config; "
-                             "use a new --out or the same options")
+            raise ValueError(
+                f"{path} was written for another drafter config; "
+                "use a new --out or the same options"
+            )
         self.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.total = state["step"], state["total"]
@@ -124,8 +139,13 @@ class Trainer:
             feats = target_features(self.target, ids, self.drafter.config.target_layer_ids)
         use_amp = dev.type == "cuda"
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_amp):
-            logits = block_logits(self.drafter, feats if use_amp else feats.to(fc.dtype), ids,
-                                  anchors, self.drafter.config.block_size)
+            logits = block_logits(
+                self.drafter,
+                feats if use_amp else feats.to(fc.dtype),
+                ids,
+                anchors,
+                self.drafter.config.block_size,
+            )
             loss = block_loss(logits, ids, len_t, anchors, valid, cfg.gamma)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
@@ -147,8 +167,12 @@ class Trainer:
         loss_sum = tau_sum = 0.0
         n_sum = 0
         self.drafter.train()
-        with Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/"
-                      "{task.total} {task.fields[info]}"), TimeRemainingColumn()) as bar:
+        with Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} {task.fields[info]}"),
+            TimeRemainingColumn(),
+        ) as bar:
             task = bar.add_task("train", total=self.total, completed=self.step, info="")
             while self.step < min(self.total, stop_at or self.total):
                 loss, tau = self.train_step()
@@ -157,16 +181,22 @@ class Trainer:
                     per_step = (time.perf_counter() - t0) / 20
                     fit = int(cfg.time_budget_s / per_step)
                     if fit < self.total:
-                        log(f"time budget {cfg.time_budget_s:.0f}s at {per_step * 1e3:.0f} ms/"
-                            f"step: planned steps {self.total} -> {fit}")
+                        log(
+                            f"time budget {cfg.time_budget_s:.0f}s at {per_step * 1e3:.0f} ms/"
+                            f"step: planned steps {self.total} -> {fit}"
+                        )
                         self.total = max(self.step + 1, fit)
                         bar.update(task, total=self.total)
                 info = f"loss {loss:.3f} tau~{tau:.2f}"
                 bar.update(task, completed=self.step, info=info)
                 if self.step % cfg.log_every == 0 or self.step == self.total:
-                    row = {"step": self.step, "loss": loss_sum / n_sum, "tau_est": tau_sum / n_sum,
-                           "lr": self.opt.param_groups[0]["lr"],
-                           "elapsed_s": round(time.perf_counter() - t0, 1)}
+                    row = {
+                        "step": self.step,
+                        "loss": loss_sum / n_sum,
+                        "tau_est": tau_sum / n_sum,
+                        "lr": self.opt.param_groups[0]["lr"],
+                        "elapsed_s": round(time.perf_counter() - t0, 1),
+                    }
                     self.history.append(row)
                     log(json.dumps(row))
                     loss_sum = tau_sum = 0.0
@@ -175,8 +205,12 @@ class Trainer:
                     self.save_state()
         self.save_state()
         self.drafter.eval()
-        return {"steps": self.step, "seconds": round(time.perf_counter() - t0, 1),
-                "sequences": len(self.seqs), "last": self.history[-1] if self.history else {}}
+        return {
+            "steps": self.step,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "sequences": len(self.seqs),
+            "last": self.history[-1] if self.history else {},
+        }
 
     def export(self, out_dir: Path) -> None:
         """Public DFlash format, weights in bf16 (the master copy stays fp32 in the state)."""

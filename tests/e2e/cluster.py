@@ -31,9 +31,7 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 
 def http_post(url: str, body, timeout: float = 120.0, headers=None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data, {"Content-Type": "application/json", **(headers or {})}
-    )
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -88,11 +86,18 @@ class Cluster:
         }
 
     def start(self, name: str) -> None:
-        log = open(self.logs / f"{name}.log", "ab") if self.logs else subprocess.DEVNULL
+        if self.logs is None:
+            out = subprocess.DEVNULL
+        else:
+            out = (self.logs / f"{name}.log").open("ab")  # the child keeps its own copy
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "splitflash", "serve", name],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
+        if out is not subprocess.DEVNULL:
+            out.close()
 
     def kill(self, name: str) -> None:
         proc = self.procs.pop(name, None)

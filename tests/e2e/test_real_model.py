@@ -93,9 +93,20 @@ def test_ngram_speculation_is_lossless_with_accepts_and_rejects(real_target):
 
 def test_generate_cli_json(real_model_path):
     out = subprocess.run(
-        [sys.executable, "-m", "splitflash", "generate", "Name three colours.",
-         "--max-tokens", "24", "--json"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "splitflash",
+            "generate",
+            "Name three colours.",
+            "--max-tokens",
+            "24",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     result = json.loads(out.stdout)
     stats = result["speculative_decoding_stats"]
@@ -105,7 +116,11 @@ def test_generate_cli_json(real_model_path):
     assert stats["steps"] >= 1
     assert stats["mean_commit_len"] >= 1.0
     assert set(stats) == {
-        "steps", "draft_tokens", "accepted_drafts", "mean_commit_len", "acceptance_rate",
+        "steps",
+        "draft_tokens",
+        "accepted_drafts",
+        "mean_commit_len",
+        "acceptance_rate",
         "accepted_per_position",
     }
 
@@ -113,7 +128,9 @@ def test_generate_cli_json(real_model_path):
 def test_missing_model_names_the_pull_command(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "splitflash", "generate", "hi"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**__import__("os").environ, "SPLITFLASH_CACHE": str(tmp_path)},
     )
     assert out.returncode == 2

@@ -21,16 +21,23 @@ def cluster(real_model_path, tmp_path_factory):
         for name in ("verify", "draft", "gateway"):
             c.start(name)
         c.wait_ready()
-        c.wait_for(lambda: json.loads(http_get(c.url + "/ready")[1])["draft"]["alive"],
-                   what="drafter connected")
+        c.wait_for(
+            lambda: json.loads(http_get(c.url + "/ready")[1])["draft"]["alive"],
+            what="drafter connected",
+        )
         yield c
     finally:
         c.stop()
 
 
 def chat(c, content, **kw):
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}],
-            "temperature": 0, "max_tokens": 40, **kw}
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 40,
+        **kw,
+    }
     return http_post(c.url + "/v1/chat/completions", body)
 
 
@@ -65,21 +72,33 @@ def test_openai_client_completions_and_chat(cluster):
 
     client = OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
-    comp = client.completions.create(model="smollm2-135m", prompt="The capital of France is",
-                                      max_tokens=8, temperature=0)
+    comp = client.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert comp.choices[0].text.strip() and comp.usage.completion_tokens <= 8
-    stream = client.completions.create(model="smollm2-135m", prompt="The capital of France is",
-                                       max_tokens=8, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="smollm2-135m",
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == comp.choices[0].text
     assert chunks[-1].usage.completion_tokens == comp.usage.completion_tokens
     msgs = [{"role": "user", "content": "Say hello."}]
-    full = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=12,
-                                          temperature=0)
-    parts = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=12,
-                                           temperature=0, stream=True,
-                                           stream_options={"include_usage": True})
+    full = client.chat.completions.create(
+        model="smollm2-135m", messages=msgs, max_tokens=12, temperature=0
+    )
+    parts = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=msgs,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(parts)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -88,8 +107,13 @@ def test_openai_client_completions_and_chat(cluster):
 
 
 def test_sse_ends_with_done_and_stats_in_last_chunk(cluster):
-    body = {"model": "smollm2-135m", "prompt": REPEAT, "max_tokens": 16, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": "smollm2-135m",
+        "prompt": REPEAT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "stream": True,
+    }
     events = sse_events(cluster, body)
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
@@ -100,16 +124,21 @@ def test_sse_ends_with_done_and_stats_in_last_chunk(cluster):
 def sse_events(c, body, limit=None):
     with socket.create_connection(("127.0.0.1", c.port), timeout=60) as s:
         payload = json.dumps(body).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                  b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        )
         buf, events = b"", []
         while limit is None or len(events) < limit:
             data = s.recv(65536)
             if not data:
                 break
             buf += data
-            events = [line[6:] for line in buf.decode(errors="replace").split("\n")
-                      if line.startswith("data: ")]
+            events = [
+                line[6:]
+                for line in buf.decode(errors="replace").split("\n")
+                if line.startswith("data: ")
+            ]
             if events and events[-1] == "[DONE]":
                 break
     return events
@@ -124,14 +153,16 @@ BAD_BODIES = [
     ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400,
-     "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 7}, 400, "top_p"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": "no"}, 400, "stream"),
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "speculative": {"block_size": 1}}, 400,
-     "block_size"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "speculative": {"block_size": 1}},
+        400,
+        "block_size",
+    ),
 ]
 
 
@@ -144,25 +175,39 @@ def test_bad_inputs_and_a_disconnect_leave_nothing_behind(cluster):
         if param:
             assert param in err["message"], (param, err)
     # a client that goes away mid-stream
-    body = {"model": "smollm2-135m", "prompt": REPEAT, "max_tokens": 300, "temperature": 0,
-            "stream": True}
+    body = {
+        "model": "smollm2-135m",
+        "prompt": REPEAT,
+        "max_tokens": 300,
+        "temperature": 0,
+        "stream": True,
+    }
     events = sse_events(cluster, body, limit=3)
     assert len(events) >= 3
     cluster.wait_for(
         lambda: metric(cluster.metrics("verify"), "splitflash_kv_pages_used") == 0,
-        timeout=60, what="KV pages freed after the disconnect",
+        timeout=60,
+        what="KV pages freed after the disconnect",
     )
     assert http_get(cluster.url + "/health")[0] == 200
 
 
 def test_drafter_killed_mid_stream_then_back(cluster):
     before = metric(cluster.metrics("gateway"), "splitflash_spec_fallback_steps_total")
-    body = {"model": "smollm2-135m", "prompt": REPEAT, "max_tokens": 120, "temperature": 0,
-            "stream": True, "speculative": {"block_size": 4}}
+    body = {
+        "model": "smollm2-135m",
+        "prompt": REPEAT,
+        "max_tokens": 120,
+        "temperature": 0,
+        "stream": True,
+        "speculative": {"block_size": 4},
+    }
     with socket.create_connection(("127.0.0.1", cluster.port), timeout=120) as s:
         payload = json.dumps(body).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                  b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        )
         buf = b""
         while buf.count(b"data: ") < 3:  # the stream is flowing, drafts included
             data = s.recv(65536)
@@ -180,16 +225,22 @@ def test_drafter_killed_mid_stream_then_back(cluster):
     # plain requests keep working without a drafter, then speculation resumes
     assert chat(cluster, "Say hi.", max_tokens=5)[0] == 200
     cluster.start("draft")
-    cluster.wait_for(lambda: json.loads(http_get(cluster.url + "/ready")[1])["draft"]["alive"],
-                     timeout=120, what="drafter back")
+    cluster.wait_for(
+        lambda: json.loads(http_get(cluster.url + "/ready")[1])["draft"]["alive"],
+        timeout=120,
+        what="drafter back",
+    )
     status, body = chat(cluster, REPEAT)
     assert status == 200 and body["speculative_decoding_stats"]["draft_tokens"] > 0
 
 
 def test_verify_down_means_503_not_a_hang(cluster):
     cluster.kill("verify")
-    cluster.wait_for(lambda: http_get(cluster.url + "/ready")[0] == 503, timeout=30,
-                     what="/ready to report verify down")
+    cluster.wait_for(
+        lambda: http_get(cluster.url + "/ready")[0] == 503,
+        timeout=30,
+        what="/ready to report verify down",
+    )
     t0 = time.monotonic()
     status, body = chat(cluster, "hi", max_tokens=4)
     assert status == 503 and body["error"]["code"] == "verify_unavailable"

@@ -38,7 +38,10 @@ def test_greedy_longest_prefix_plus_bonus(draft, target, accepted):
 def test_invariants_catch_broken_steps():
     bad = StepOutcome(committed=[1], accepted_drafts=3, accepted_depth=2, draft_tokens=2, path=[])
     assert set(check_invariants(bad, 2, False)) == {
-        "accepted_range", "depth_equals_accepted", "commit_len", "accepted_le_drafted"
+        "accepted_range",
+        "depth_equals_accepted",
+        "commit_len",
+        "accepted_le_drafted",
     }
     ok = StepOutcome([1, 2, 3], 2, 2, 4, [1, 2])
     cut = truncate_outcome(ok, max_commit=5, stop_ids={2})

@@ -34,8 +34,9 @@ def test_block_longer_than_window_and_smaller_block():
     drafter = make(cfg_dict(window=3, block=8))
     state, f = fill(drafter, 20)
     for b in (8, 4, 2):
-        torch.testing.assert_close(drafter.draft(state, 3, 20, b),
-                                   reference_draft(drafter, f, 3, b), **TOL)
+        torch.testing.assert_close(
+            drafter.draft(state, 3, 20, b), reference_draft(drafter, f, 3, b), **TOL
+        )
     with pytest.raises(ValueError, match="block_size"):
         drafter.draft(state, 3, 20, 9)  # trained at B=8: never run larger
 
@@ -61,11 +62,12 @@ def test_ring_wraparound_uneven_appends(seed):
     pos = 0
     while pos < 250:
         c = int(torch.randint(1, 13, (1,), generator=g))  # uneven, sometimes > window
-        drafter.append_context(state, f[pos:pos + c], pos)
+        drafter.append_context(state, f[pos : pos + c], pos)
         pos += c
         tok = int(torch.randint(0, V, (1,), generator=g))
-        torch.testing.assert_close(drafter.draft(state, tok, pos),
-                                   reference_draft(drafter, f[:pos], tok, 6), **TOL)
+        torch.testing.assert_close(
+            drafter.draft(state, tok, pos), reference_draft(drafter, f[:pos], tok, 6), **TOL
+        )
     assert state.cache_rows()[:2] == [5, 5]
 
 
@@ -73,8 +75,9 @@ def test_full_attention_layers_match_reference():
     drafter = make(cfg_dict(layer_types=("full_attention",) * 2))
     assert [p.kind for p in drafter.policy_summary()] == ["full", "full"]
     state, f = fill(drafter, 40, chunks=[17, 1, 22])
-    torch.testing.assert_close(drafter.draft(state, 11, 40),
-                               reference_draft(drafter, f, 11, 6), **TOL)
+    torch.testing.assert_close(
+        drafter.draft(state, 11, 40), reference_draft(drafter, f, 11, 6), **TOL
+    )
     assert state.keys_read_last == [40, 40]
 
 
@@ -91,7 +94,8 @@ def test_policy_summary_and_string():
     cfg["dflash_config"]["target_layer_ids"] = [1, 2]
     drafter = make(cfg)
     assert [tuple(p) for p in drafter.policy_summary()] == (
-        [(i, "sliding", 2048) for i in range(5)] + [(5, "full", None)])
+        [(i, "sliding", 2048) for i in range(5)] + [(5, "full", None)]
+    )
     assert drafter.policy_string().startswith("5 of 6 layers sliding (window 2048), 1 full")
     assert "non-causal" in drafter.policy_string()
     info = drafter.policy_info()
@@ -152,8 +156,11 @@ def test_bf16_runs_close_to_fp32():
 
 
 @settings(max_examples=60, deadline=None)
-@given(window=st.integers(1, 9), full=st.booleans(),
-       chunks=st.lists(st.integers(1, 25), min_size=1, max_size=12))
+@given(
+    window=st.integers(1, 9),
+    full=st.booleans(),
+    chunks=st.lists(st.integers(1, 25), min_size=1, max_size=12),
+)
 def test_ring_buffer_rows_property(window, full, chunks):
     """After any append pattern the cache yields exactly the visible positions, in order."""
     w = None if full else window

@@ -23,16 +23,19 @@ from tests.unit.test_dflash_support import (
 )
 
 
-@pytest.mark.parametrize("over, match", [
-    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "unknown"),
-    ({"layer_types": ["full_attention"]}, "layer_types has 1"),
-    ({"sliding_window": 0}, "sliding_window"),
-    ({"sliding_window": None}, "sliding_window"),
-    ({"num_key_value_heads": 3}, "multiple"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "unknown"),
+        ({"layer_types": ["full_attention"]}, "layer_types has 1"),
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"sliding_window": None}, "sliding_window"),
+        ({"num_key_value_heads": 3}, "multiple"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
+    ],
+)
 def test_config_refusals(over, match):
     d = cfg_dict()
     d.update(over)  # raw keys: num_hidden_layers stays 3
@@ -40,13 +43,16 @@ def test_config_refusals(over, match):
         DFlashConfig.from_dict(d)
 
 
-@pytest.mark.parametrize("dflash, match", [
-    ({"mask_token_id": V}, "outside the vocab"),
-    ({"mask_token_id": -1}, "outside the vocab"),
-    ({"target_layer_ids": [1, 6]}, "out of range"),
-    ({"target_layer_ids": []}, "non-empty"),
-    ({"block_size": 1}, "block_size"),
-])
+@pytest.mark.parametrize(
+    "dflash, match",
+    [
+        ({"mask_token_id": V}, "outside the vocab"),
+        ({"mask_token_id": -1}, "outside the vocab"),
+        ({"target_layer_ids": [1, 6]}, "out of range"),
+        ({"target_layer_ids": []}, "non-empty"),
+        ({"block_size": 1}, "block_size"),
+    ],
+)
 def test_dflash_config_refusals(dflash, match):
     d = cfg_dict()
     d["dflash_config"].update(dflash)
@@ -74,8 +80,9 @@ def test_hand_written_public_checkpoint_loads(tmp_path, prefix):
         assert torch.equal(sd[k], v), k
     assert drafter._shared.embed_tokens is emb and not emb.weight.requires_grad
     state, f = fill(drafter, 20)
-    torch.testing.assert_close(drafter.draft(state, 2, 20), reference_draft(drafter, f, 2, 6),
-                               **TOL)
+    torch.testing.assert_close(
+        drafter.draft(state, 2, 20), reference_draft(drafter, f, 2, 6), **TOL
+    )
 
 
 def test_checkpoint_with_wrong_tensors_refused(tmp_path):
@@ -102,8 +109,9 @@ def test_save_load_round_trip(tmp_path):
     emb, head = drafter._shared.embed_tokens, drafter._shared.lm_head_weight
     loaded = load_dflash(tmp_path, emb, head, N_TARGET, dtype=torch.float32)
     assert loaded.config == drafter.config
-    for (k, a), (k2, b) in zip(drafter.state_dict().items(), loaded.state_dict().items(),
-                               strict=True):
+    for (k, a), (k2, b) in zip(
+        drafter.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
         assert k == k2 and torch.equal(a, b)
     s1, _ = fill(drafter, 15)
     s2, _ = fill(loaded, 15)

@@ -17,8 +17,15 @@ LAYER_IDS = (0, 2)
 
 def _setup(seed=0, window=4, block=6):
     model = tiny_model(seed=seed)
-    cfg = drafter_config(model.cfg, layers=2, window=window, block_size=block,
-                         target_layer_ids=LAYER_IDS, mask_token_id=96, intermediate_size=64)
+    cfg = drafter_config(
+        model.cfg,
+        layers=2,
+        window=window,
+        block_size=block,
+        target_layer_ids=LAYER_IDS,
+        mask_token_id=96,
+        intermediate_size=64,
+    )
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg, model.embed_tokens, model.lm_head.weight).eval()
     engine = tiny_engine(model, pages=128)
@@ -68,7 +75,7 @@ def test_partly_right_drafts_stay_lossless_and_in_step():
         def propose(self, rid, k):
             drafts = super().propose(rid, k)
             done = len(self.requests[rid].tokens) - len(prompt)
-            right = want[done:done + len(drafts)]
+            right = want[done : done + len(drafts)]
             cut = int(torch.randint(0, len(right) + 1, (1,), generator=g))
             return right[:cut] + [(t + 1) % 97 for t in right[cut:]]
 
@@ -90,7 +97,7 @@ def test_drafter_that_copies_the_target_is_accepted_fully():
         def propose(self, rid, k):
             drafts = super().propose(rid, k)  # still runs the real drafter path
             done = len(self.requests[rid].tokens) - len(prompt)
-            return want[done:done + len(drafts)]
+            return want[done : done + len(drafts)]
 
     result = measure_commit_len(engine, Oracle(proposer.drafter), [prompt], 25, 4)
     assert result["acceptance_rate"] == 1.0
@@ -127,8 +134,9 @@ def test_batch_proposals_equal_single_and_keys_read_are_counted():
     g = torch.Generator().manual_seed(3)
     for rid, n in (("a", 4), ("b", 9)):
         proposer.open(rid, torch.randint(3, 97, (n + 1,), generator=g).tolist())
-        proposer.add_features(rid, 0, torch.randn(n, proposer.drafter.config.feature_dim,
-                                                  generator=g))
+        proposer.add_features(
+            rid, 0, torch.randn(n, proposer.drafter.config.feature_dim, generator=g)
+        )
     batch = proposer.propose_batch(["a", "b"], 5)
     assert batch == [proposer.propose("a", 5), proposer.propose("b", 5)]
     reads = proposer.pop_keys_read()

@@ -14,17 +14,29 @@ V, D, N_TARGET = 97, 64, 6
 TOL = {"atol": 3e-5, "rtol": 1e-5}
 
 
-def cfg_dict(layer_types=("sliding_attention", "sliding_attention", "full_attention"),
-             window=8, block=6, causal=None, **over) -> dict:
+def cfg_dict(
+    layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+    window=8,
+    block=6,
+    causal=None,
+    **over,
+) -> dict:
     d = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-        "hidden_size": D, "num_hidden_layers": len(layer_types), "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": V,
-        "layer_types": list(layer_types), "sliding_window": window,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": D,
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": V,
+        "layer_types": list(layer_types),
+        "sliding_window": window,
         "num_target_layers": N_TARGET,
-        "dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": V - 1,
-                          "block_size": block},
+        "dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": V - 1, "block_size": block},
     }
     if causal is not None:
         d["dflash_config"]["is_causal"] = causal
@@ -57,7 +69,7 @@ def fill(drafter, n, chunks=None, seed=1):
     state, f = drafter.new_state(), feats(n, seed)
     pos = 0
     for c in chunks or [n]:
-        drafter.append_context(state, f[pos:pos + c], pos)
+        drafter.append_context(state, f[pos : pos + c], pos)
         pos += c
     return state, f
 
@@ -67,15 +79,24 @@ def public_checkpoint(tmp_path, prefix="model."):
     cfg = cfg_dict()
     g = torch.Generator().manual_seed(42)
     hd, h, hkv, i_sz = 16, 4, 2, 128
-    tensors = {"fc.weight": torch.randn(D, 2 * D, generator=g) * 0.1,
-               "hidden_norm.weight": torch.rand(D, generator=g) + 0.5,
-               "norm.weight": torch.rand(D, generator=g) + 0.5}
-    shapes = {"self_attn.q_proj.weight": (h * hd, D), "self_attn.k_proj.weight": (hkv * hd, D),
-              "self_attn.v_proj.weight": (hkv * hd, D), "self_attn.o_proj.weight": (D, h * hd),
-              "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
-              "mlp.gate_proj.weight": (i_sz, D), "mlp.up_proj.weight": (i_sz, D),
-              "mlp.down_proj.weight": (D, i_sz), "input_layernorm.weight": (D,),
-              "post_attention_layernorm.weight": (D,)}
+    tensors = {
+        "fc.weight": torch.randn(D, 2 * D, generator=g) * 0.1,
+        "hidden_norm.weight": torch.rand(D, generator=g) + 0.5,
+        "norm.weight": torch.rand(D, generator=g) + 0.5,
+    }
+    shapes = {
+        "self_attn.q_proj.weight": (h * hd, D),
+        "self_attn.k_proj.weight": (hkv * hd, D),
+        "self_attn.v_proj.weight": (hkv * hd, D),
+        "self_attn.o_proj.weight": (D, h * hd),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (i_sz, D),
+        "mlp.up_proj.weight": (i_sz, D),
+        "mlp.down_proj.weight": (D, i_sz),
+        "input_layernorm.weight": (D,),
+        "post_attention_layernorm.weight": (D,),
+    }
     for layer in range(3):
         for name, shape in shapes.items():
             tensors[f"layers.{layer}.{name}"] = torch.randn(*shape, generator=g) * 0.1

@@ -73,8 +73,13 @@ def test_malformed_json_and_non_object():
 def test_good_request_fields():
     req = parse(
         {
-            "prompt": ["hello"], "max_tokens": 5, "temperature": 0, "stop": "\n", "seed": 3,
-            "stream": True, "stream_options": {"include_usage": True},
+            "prompt": ["hello"],
+            "max_tokens": 5,
+            "temperature": 0,
+            "stop": "\n",
+            "seed": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
             "speculative": {"enabled": False, "block_size": 4},
         }
     )

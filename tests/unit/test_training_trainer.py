@@ -24,8 +24,15 @@ def _seqs(n=8, seed=0):
 
 
 def _trainer(model, tmp_path, cfg=CFG):
-    dcfg = drafter_config(model.cfg, layers=2, window=8, block_size=4, target_layer_ids=(0, 2),
-                          mask_token_id=96, intermediate_size=64)
+    dcfg = drafter_config(
+        model.cfg,
+        layers=2,
+        window=8,
+        block_size=4,
+        target_layer_ids=(0, 2),
+        mask_token_id=96,
+        intermediate_size=64,
+    )
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg, model.embed_tokens, model.lm_head.weight)
     return Trainer(model, drafter, _seqs(), cfg, tmp_path, "cpu")
@@ -40,8 +47,9 @@ def test_resume_gives_the_same_weights_as_one_run(tmp_path):
     resumed = _trainer(model, tmp_path / "b")
     assert resumed.load_state() and resumed.step == 3
     resumed.fit(log=lambda s: None)
-    for (name, a), b in zip(straight.drafter.state_dict().items(),
-                            resumed.drafter.state_dict().values(), strict=True):
+    for (name, a), b in zip(
+        straight.drafter.state_dict().items(), resumed.drafter.state_dict().values(), strict=True
+    ):
         torch.testing.assert_close(a, b, msg=name)
 
 
@@ -55,8 +63,13 @@ def test_training_lowers_the_loss_and_exports(tmp_path):
     for name, w in model.state_dict().items():  # the shared embedding/head stay frozen
         assert torch.equal(w, before[name]), name
     trainer.export(tmp_path / "out")
-    loaded = load_dflash(tmp_path / "out", model.embed_tokens, model.lm_head.weight,
-                         model.cfg.num_layers, dtype=torch.float32)
+    loaded = load_dflash(
+        tmp_path / "out",
+        model.embed_tokens,
+        model.lm_head.weight,
+        model.cfg.num_layers,
+        dtype=torch.float32,
+    )
     assert loaded.config == trainer.drafter.config
     for name, w in trainer.drafter.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], w.bfloat16().float(), msg=name)

@@ -30,8 +30,14 @@ class DFlashDesyncError(ValueError):
 class LayerKV:
     """Context K/V of one draft layer for one request (see module docstring)."""
 
-    def __init__(self, window: int | None, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        window: int | None,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.window = window  # None: full layer
         self.k = torch.empty(0, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
@@ -63,7 +69,7 @@ class LayerKV:
             return
         w = self.window
         if n > w:  # earlier rows of this append would be overwritten within it anyway
-            k, v, start_pos = k[n - w:], v[n - w:], end - w
+            k, v, start_pos = k[n - w :], v[n - w :], end - w
         slots = torch.arange(start_pos, end, device=k.device) % w
         self.k.index_copy_(0, slots, k)
         self.v.index_copy_(0, slots, v)
@@ -103,9 +109,16 @@ def _context_rows(ctx_k: torch.Tensor, ctx_v: torch.Tensor, n_ctx: int, window: 
     return ctx_k.index_select(0, slots), ctx_v.index_select(0, slots), pos
 
 
-def block_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, n_ctx: int,
-                    window: int | None, blk_k: torch.Tensor, blk_v: torch.Tensor,
-                    causal: bool) -> tuple[torch.Tensor, int]:
+def block_attention(
+    q: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    n_ctx: int,
+    window: int | None,
+    blk_k: torch.Tensor,
+    blk_v: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, int]:
     """Attention of one request's block over [context | block] K/V.
 
     q [T, H, hd] at positions n_ctx .. n_ctx + T - 1 (the anchor sits at n_ctx);

@@ -42,29 +42,40 @@ def read_tensors(root: Path) -> dict[str, torch.Tensor]:
     for path in _weight_files(root):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                key = name[len("model."):] if name.startswith("model.") else name
+                key = name[len("model.") :] if name.startswith("model.") else name
                 if key in out:
                     raise ValueError(f"DFlash checkpoint names tensor {key!r} twice")
                 out[key] = f.get_tensor(name)
     return out
 
 
-def load_dflash(path_dir: str | Path, embed_tokens: nn.Embedding, lm_head_weight: torch.Tensor,
-                target_num_layers: int, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str = "cpu", *,
-                window_override: WindowOverride = "checkpoint",
-                attention_backend: AttentionBackend = TORCH_ATTENTION) -> DFlashDrafter:
+def load_dflash(
+    path_dir: str | Path,
+    embed_tokens: nn.Embedding,
+    lm_head_weight: torch.Tensor,
+    target_num_layers: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    *,
+    window_override: WindowOverride = "checkpoint",
+    attention_backend: AttentionBackend = TORCH_ATTENTION,
+) -> DFlashDrafter:
     """Build a drafter from a public-format checkpoint, sharing the target's embed/head."""
     root = Path(path_dir)
     if not (root / CONFIG_FILE).is_file():
         raise ValueError(f"no {CONFIG_FILE} in DFlash checkpoint {root}")
     config = DFlashConfig.from_json(root / CONFIG_FILE, target_num_layers=target_num_layers)
-    config.check_target(embed_tokens.weight.shape[0], embed_tokens.weight.shape[1],
-                        target_num_layers)
+    config.check_target(
+        embed_tokens.weight.shape[0], embed_tokens.weight.shape[1], target_num_layers
+    )
     with torch.device("meta"):  # no throw-away random init of the real-size weights
-        drafter = DFlashDrafter(config, _meta_embed(embed_tokens), _meta_like(lm_head_weight),
-                                window_override=window_override,
-                                attention_backend=attention_backend)
+        drafter = DFlashDrafter(
+            config,
+            _meta_embed(embed_tokens),
+            _meta_like(lm_head_weight),
+            window_override=window_override,
+            attention_backend=attention_backend,
+        )
     drafter.attach_shared(embed_tokens, lm_head_weight)
     tensors = {k: v for k, v in read_tensors(root).items() if k not in _IGNORED}
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
@@ -91,8 +102,9 @@ def save_dflash(drafter: DFlashDrafter, path_dir: str | Path) -> None:
     """Write config.json + model.safetensors in the public format (no embedding, no head)."""
     root = Path(path_dir)
     root.mkdir(parents=True, exist_ok=True)
-    (root / CONFIG_FILE).write_text(json.dumps(drafter.config.to_dict(), indent=2) + "\n",
-                                    encoding="utf-8")
+    (root / CONFIG_FILE).write_text(
+        json.dumps(drafter.config.to_dict(), indent=2) + "\n", encoding="utf-8"
+    )
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(tensors, str(root / WEIGHTS_FILE), metadata={"format": "pt"})
 

@@ -159,13 +159,19 @@ class DFlashConfig:
         d.setdefault("architectures", ["DFlashDraftModel"])
         d.setdefault("model_type", "qwen3")
         d.update(
-            hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, vocab_size=self.vocab_size,
-            layer_types=list(self.layer_types), sliding_window=self.sliding_window,
-            hidden_act="silu", attention_bias=False,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            vocab_size=self.vocab_size,
+            layer_types=list(self.layer_types),
+            sliding_window=self.sliding_window,
+            hidden_act="silu",
+            attention_bias=False,
         )
         if self.num_target_layers is not None:
             d["num_target_layers"] = self.num_target_layers
@@ -182,8 +188,15 @@ class DFlashConfig:
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size"):
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+        ):
             if _int(getattr(self, name), name) <= 0:
                 raise ValueError(f"DFlash config {name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:

@@ -22,11 +22,14 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [*positions.shape, hd] for absolute positions (computed in fp32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -57,7 +60,10 @@ class DFlashAttention(nn.Module):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, hd)
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            hd,
+        )
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
@@ -70,8 +76,9 @@ class DFlashAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim)))
         return apply_rope(q, cos, sin)
 
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., n, D] -> k, v [..., n, H_KV, hd] (k_norm + RoPE on k only).
 
         Used for both the block tokens and the context features: DFlash injects the

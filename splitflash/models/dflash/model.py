@@ -39,9 +39,15 @@ class _Shared:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding,
-                 lm_head_weight: torch.Tensor, *, window_override: WindowOverride = "checkpoint",
-                 attention_backend: AttentionBackend = TORCH_ATTENTION) -> None:
+    def __init__(
+        self,
+        config: DFlashConfig,
+        embed_tokens: nn.Embedding,
+        lm_head_weight: torch.Tensor,
+        *,
+        window_override: WindowOverride = "checkpoint",
+        attention_backend: AttentionBackend = TORCH_ATTENTION,
+    ) -> None:
         super().__init__()
         self.config = config
         self.window_override = window_override
@@ -87,11 +93,16 @@ class DFlashDrafter(nn.Module):
     def new_state(self) -> DFlashState:
         w = self.fc.weight
         cfg = self.config
-        layers = [LayerKV(p.window, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
-                  for p in self.policy]
-        return DFlashState(layers=layers, layer_kinds=[p.kind for p in self.policy],
-                           fingerprint=self._fingerprint(),
-                           keys_read_last=[0] * len(self.policy))
+        layers = [
+            LayerKV(p.window, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
+            for p in self.policy
+        ]
+        return DFlashState(
+            layers=layers,
+            layer_kinds=[p.kind for p in self.policy],
+            fingerprint=self._fingerprint(),
+            keys_read_last=[0] * len(self.policy),
+        )
 
     def _check_state(self, state: DFlashState) -> None:
         if state.fingerprint != self._fingerprint():
@@ -131,15 +142,24 @@ class DFlashDrafter(nn.Module):
         state.n_ctx += n
 
     @torch.no_grad()
-    def draft(self, state: DFlashState, anchor_token_id: int, anchor_pos: int,
-              block_size: int | None = None) -> torch.Tensor:
+    def draft(
+        self,
+        state: DFlashState,
+        anchor_token_id: int,
+        anchor_pos: int,
+        block_size: int | None = None,
+    ) -> torch.Tensor:
         """Logits [block_size - 1, V] for block positions 1 .. B-1."""
         return self.draft_batch([state], [anchor_token_id], [anchor_pos], block_size)[0]
 
     @torch.no_grad()
-    def draft_batch(self, states: Sequence[DFlashState], anchor_token_ids: Sequence[int],
-                    anchor_positions: Sequence[int],
-                    block_size: int | None = None) -> torch.Tensor:
+    def draft_batch(
+        self,
+        states: Sequence[DFlashState],
+        anchor_token_ids: Sequence[int],
+        anchor_positions: Sequence[int],
+        block_size: int | None = None,
+    ) -> torch.Tensor:
         """One forward pass for N requests -> logits [N, block_size - 1, V]."""
         cfg = self.config
         t = cfg.block_size if block_size is None else block_size
@@ -163,9 +183,10 @@ class DFlashDrafter(nn.Module):
         ids = torch.full((len(states), t), cfg.mask_token_id, dtype=torch.long, device=w.device)
         ids[:, 0] = torch.as_tensor([int(a) for a in anchor_token_ids], device=w.device)
         emb = self._shared.embed_tokens(ids.to(self._shared.embed_tokens.weight.device))
-        h = (emb.to(device=w.device, dtype=w.dtype) * cfg.input_embedding_scale)  # [N, T, D]
+        h = emb.to(device=w.device, dtype=w.dtype) * cfg.input_embedding_scale  # [N, T, D]
         pos = torch.as_tensor(list(anchor_positions), device=w.device)[:, None] + torch.arange(
-            t, device=w.device)  # [N, T]
+            t, device=w.device
+        )  # [N, T]
         cos, sin = self._rope(pos)  # [N, T, hd]
         reads = [[0] * len(self.layers) for _ in states]
         for li, (layer, pol) in enumerate(zip(self.layers, self.policy, strict=True)):
@@ -176,8 +197,9 @@ class DFlashDrafter(nn.Module):
             outs = []
             for r, state in enumerate(states):
                 kv = state.layers[li]
-                o, n_read = self.backend.fn(q[r], kv.k, kv.v, state.n_ctx, pol.window,
-                                            k[r], v[r], cfg.is_causal)
+                o, n_read = self.backend.fn(
+                    q[r], kv.k, kv.v, state.n_ctx, pol.window, k[r], v[r], cfg.is_causal
+                )
                 outs.append(o)  # [T, H, hd]
                 reads[r][li] = n_read
             h = h + attn.o_proj(torch.stack(outs).flatten(-2))

@@ -21,8 +21,9 @@ class LayerPolicy(NamedTuple):
     window: int | None  # window in force (None: all context)
 
 
-def build_policy(config: DFlashConfig, window_override: str,
-                 backend: AttentionBackend) -> list[LayerPolicy]:
+def build_policy(
+    config: DFlashConfig, window_override: str, backend: AttentionBackend
+) -> list[LayerPolicy]:
     if window_override not in WINDOW_OVERRIDES:
         raise ValueError(
             f"window_override must be one of {WINDOW_OVERRIDES}, got {window_override!r}"
@@ -55,15 +56,18 @@ def policy_string(config: DFlashConfig, policy: list[LayerPolicy], window_overri
         head = f"0 of {n} layers sliding, {n_full} full"
     forced = sum(p.kind == "full_override" for p in policy)
     if forced:
-        head += (f" [window_override=off: {forced} checkpoint sliding layer(s) of window "
-                 f"{config.sliding_window} run FULL attention]")
+        head += (
+            f" [window_override=off: {forced} checkpoint sliding layer(s) of window "
+            f"{config.sliding_window} run FULL attention]"
+        )
     causal = "causal" if config.is_causal else "non-causal"
     source = "" if config.causal is not None else " (checkpoint sets no flag)"
     return f"{head}; block {causal}{source}; block_size {config.block_size}"
 
 
-def policy_info(config: DFlashConfig, policy: list[LayerPolicy], window_override: str,
-                backend: AttentionBackend) -> dict[str, str]:
+def policy_info(
+    config: DFlashConfig, policy: list[LayerPolicy], window_override: str, backend: AttentionBackend
+) -> dict[str, str]:
     """Labels for an info metric (all strings, as Prometheus Info wants)."""
     sliding = sum(p.kind == "sliding" for p in policy)
     return {

@@ -50,9 +50,14 @@ def dense_mask(n_ctx: int, t: int, window: int | None, causal: bool) -> torch.Te
 
 
 @torch.no_grad()
-def reference_draft(drafter: DFlashDrafter, features: torch.Tensor, anchor_token_id: int,
-                    block_size: int, windows: list[int | None] | None = None,
-                    causal: bool | None = None) -> torch.Tensor:
+def reference_draft(
+    drafter: DFlashDrafter,
+    features: torch.Tensor,
+    anchor_token_id: int,
+    block_size: int,
+    windows: list[int | None] | None = None,
+    causal: bool | None = None,
+) -> torch.Tensor:
     """Logits [block_size - 1, V] from features [n_ctx, K*D] of positions 0 .. n_ctx - 1.
 
     windows: per-layer window (None = full); defaults to the checkpoint's declared policy.

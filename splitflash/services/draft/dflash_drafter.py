@@ -27,12 +27,16 @@ DEFAULT_DRAFTERS = {"smollm2-135m": "smollm2-135m-dflash"}
 def default_drafter_path(target: str = "smollm2-135m") -> Path:
     """The drafter shipped for a named target (splitflash/assets/drafters/...)."""
     if target not in DEFAULT_DRAFTERS:
-        raise ValueError(f"no shipped DFlash drafter for target {target!r}; "
-                         f"give one as dflash:PATH (shipped: {sorted(DEFAULT_DRAFTERS)})")
+        raise ValueError(
+            f"no shipped DFlash drafter for target {target!r}; "
+            f"give one as dflash:PATH (shipped: {sorted(DEFAULT_DRAFTERS)})"
+        )
     path = ASSET_DIR / DEFAULT_DRAFTERS[target]
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"shipped drafter missing at {path} (train one with "
-                                f"`splitflash train-drafter --out {path}`)")
+        raise FileNotFoundError(
+            f"shipped drafter missing at {path} (train one with "
+            f"`splitflash train-drafter --out {path}`)"
+        )
     return path
 
 
@@ -76,7 +80,8 @@ class DFlashProposer:
         if len(st.tokens) + len(new_ids) != base_len:
             raise DFlashDesyncError(
                 f"DFlash drafter out of step for {request_id!r}: holds {len(st.tokens)} "
-                f"tokens + {len(new_ids)} new != committed length {base_len}")
+                f"tokens + {len(new_ids)} new != committed length {base_len}"
+            )
         st.tokens.extend(int(t) for t in new_ids)
 
     def add_features(self, request_id: str, start_pos: int, features: torch.Tensor) -> None:
@@ -100,7 +105,8 @@ class DFlashProposer:
             raise DFlashDesyncError(
                 f"DFlash drafter out of step for {request_id!r}: holds features of "
                 f"{st.cache.n_ctx} tokens but {len(st.tokens)} are committed (expected "
-                f"{anchor_pos}: every committed token but the anchor)")
+                f"{anchor_pos}: every committed token but the anchor)"
+            )
         return st, st.tokens[-1], anchor_pos
 
     def propose(self, request_id: str, k: int) -> list[int]:
@@ -113,11 +119,16 @@ class DFlashProposer:
         if k <= 0 or not request_ids:
             return [[] for _ in request_ids]
         picked = [self._anchor(r) for r in request_ids]
-        logits = self.drafter.draft_batch([p[0].cache for p in picked], [p[1] for p in picked],
-                                          [p[2] for p in picked], block_size=k + 1)
+        logits = self.drafter.draft_batch(
+            [p[0].cache for p in picked],
+            [p[1] for p in picked],
+            [p[2] for p in picked],
+            block_size=k + 1,
+        )
         for p in picked:
-            for kind, layer_reads in zip(p[0].cache.layer_kinds, p[0].cache.keys_read_last,
-                                         strict=True):
+            for kind, layer_reads in zip(
+                p[0].cache.layer_kinds, p[0].cache.keys_read_last, strict=True
+            ):
                 self._keys_read[kind] = self._keys_read.get(kind, 0) + layer_reads
         return logits.argmax(-1).tolist()  # [N, k]
 
@@ -128,10 +139,13 @@ class DFlashProposer:
     def attention_policy(self):
         """(in force, as the checkpoint declares, source): per layer (kind, window)."""
         cfg = self.drafter.config
-        in_force = [("sliding" if p.kind == "sliding" else "full", p.window)
-                    for p in self.drafter.policy]
-        declared = [("sliding", cfg.sliding_window) if t == SLIDING else ("full", None)
-                    for t in cfg.layer_types]
+        in_force = [
+            ("sliding" if p.kind == "sliding" else "full", p.window) for p in self.drafter.policy
+        ]
+        declared = [
+            ("sliding", cfg.sliding_window) if t == SLIDING else ("full", None)
+            for t in cfg.layer_types
+        ]
         return in_force, declared, self.drafter.window_override
 
     def pop_keys_read(self) -> dict[str, int]:
@@ -139,18 +153,35 @@ class DFlashProposer:
         return out
 
 
-def load_proposer(path: str | Path, embed_tokens: nn.Embedding, lm_head_weight: torch.Tensor,
-                  target_num_layers: int, device: str = "cpu", dtype: torch.dtype | None = None,
-                  window_override: str = "checkpoint") -> DFlashProposer:
+def load_proposer(
+    path: str | Path,
+    embed_tokens: nn.Embedding,
+    lm_head_weight: torch.Tensor,
+    target_num_layers: int,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    window_override: str = "checkpoint",
+) -> DFlashProposer:
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    drafter = load_dflash(path, embed_tokens, lm_head_weight, target_num_layers, dtype, device,
-                          window_override=window_override)
+    drafter = load_dflash(
+        path,
+        embed_tokens,
+        lm_head_weight,
+        target_num_layers,
+        dtype,
+        device,
+        window_override=window_override,
+    )
     return DFlashProposer(drafter)
 
 
-def build_dflash_drafter(path: str | None = None, target: str = "smollm2-135m",
-                         device: str = "cpu", window_override: str = "checkpoint"):
+def build_dflash_drafter(
+    path: str | None = None,
+    target: str = "smollm2-135m",
+    device: str = "cpu",
+    window_override: str = "checkpoint",
+):
     """The draft service's factory: loads only the target's embedding and LM head."""
     from splitflash.models import store
     from splitflash.models.loading import load_checkpoint
@@ -159,7 +190,10 @@ def build_dflash_drafter(path: str | None = None, target: str = "smollm2-135m",
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     weight = state["embed_tokens.weight"].to(device=device, dtype=dtype)
     embed = nn.Embedding.from_pretrained(weight, freeze=True)
-    head = state["lm_head.weight"].to(device=device, dtype=dtype) if (
-        "lm_head.weight" in state and not tcfg.tie_word_embeddings) else weight
+    head = (
+        state["lm_head.weight"].to(device=device, dtype=dtype)
+        if ("lm_head.weight" in state and not tcfg.tie_word_embeddings)
+        else weight
+    )
     ckpt = path or default_drafter_path(target if target in DEFAULT_DRAFTERS else "smollm2-135m")
     return load_proposer(ckpt, embed, head, tcfg.num_layers, device, dtype, window_override)

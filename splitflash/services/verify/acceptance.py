@@ -87,6 +87,10 @@ def truncate_outcome(outcome: StepOutcome, max_commit: int, stop_ids: set[int]) 
 def check_invariants(outcome: StepOutcome, max_depth: int, finished: bool) -> list[str]:
     """DESIGN.md §4 on one step; returns the names of the broken invariants."""
     return step_invariants(
-        outcome.draft_tokens, max_depth, outcome.accepted_drafts, outcome.accepted_depth,
-        outcome.commit_len, finished,
+        outcome.draft_tokens,
+        max_depth,
+        outcome.accepted_drafts,
+        outcome.accepted_depth,
+        outcome.commit_len,
+        finished,
     )
