@@ -1,0 +1,30 @@
+"""`splitflash bench kernels [...]`: the benchmarks under bench/ (run from a checkout)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+BENCHES = {"kernels": "bench.kernels", "drafter": "bench.drafter"}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (GPU figures go to bench/RESULTS.md)")
+    p.add_argument("which", choices=sorted(BENCHES))
+    p.add_argument("args", nargs="*", help="passed to the benchmark (see its --help)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    # The benchmarks live beside the package in the repository, not inside it.
+    root = Path(__file__).resolve().parents[2]
+    if (root / "bench").is_dir() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module(BENCHES[args.which])
+    except ModuleNotFoundError as exc:
+        raise RuntimeError(
+            f"benchmark {args.which!r} not found ({exc}); run it from a splitflash checkout"
+        ) from None
+    return int(module.main(args.args) or 0)
