@@ -6,7 +6,7 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHES = {"kernels": "bench.kernels", "drafter": "bench.drafter"}
+BENCHES = {"kernels": "bench.kernels", "drafter": "bench.drafter", "ngram": "bench.ngram_cpu"}
 
 
 def register(sub) -> None:

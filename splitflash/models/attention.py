@@ -75,7 +75,7 @@ class PagedAttention:
     """The attention backend: Triton kernels on CUDA, the torch references on CPU."""
 
     def __init__(self, device: torch.device) -> None:
-        from splitflash.kernels import paged_attention
+        from splitflash.kernels.dispatch import paged_attention
 
         self._block_attention = paged_attention
         self.name = "triton" if device.type == "cuda" else "torch-reference"

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from splitflash.protocol.codec import Codec
 from splitflash.protocol.errors import PeerTimeout, ProtocolError
+from splitflash.protocol.security import CurveClient, CurveServer, apply_curve
 
 MAX_CALL_ID_BYTES = 32
 Frames = Sequence[Any]  # bytes | memoryview | zmq.Frame, sent as they are
@@ -35,6 +36,7 @@ def make_socket(
     linger_ms: int = 0,
     rcvtimeo_ms: int | None = None,
     sndtimeo_ms: int | None = None,
+    curve: CurveServer | CurveClient | None = None,
 ) -> zmq.Socket:
     """A ROUTER (services) or DEALER (clients) socket with every option set here.
 
@@ -45,6 +47,8 @@ def make_socket(
       times out (sndtimeo) instead of being delivered, stale, when it comes back.
     - linger 0 by default: on close, undelivered messages are dropped, never block exit.
     - None timeouts mean "block": use the recv helpers' timeouts instead.
+    - `curve`: CURVE server keys (a ROUTER; pair with `security.CurveGuard`, which checks
+      the client keys) or client keys (a DEALER); None = plain TCP. See `security.py`.
     """
     if kind not in ("router", "dealer"):
         raise ValueError(f"socket kind must be 'router' or 'dealer', not {kind!r}")
@@ -57,6 +61,8 @@ def make_socket(
         sock.setsockopt(zmq.LINGER, linger_ms)
         sock.setsockopt(zmq.RCVTIMEO, -1 if rcvtimeo_ms is None else rcvtimeo_ms)
         sock.setsockopt(zmq.SNDTIMEO, -1 if sndtimeo_ms is None else sndtimeo_ms)
+        if curve is not None:
+            apply_curve(sock, curve)
         if kind == "router":
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         else:

@@ -163,7 +163,9 @@ class Trainer:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         cfg = self.cfg
-        t0, probe_at = time.perf_counter(), self.step + 20
+        # Steps 10..30 time the loop: the first ones pay for kernel selection and warm-up.
+        t0, probe_from, probe_at = time.perf_counter(), self.step + 10, self.step + 30
+        t_probe = t0
         loss_sum = tau_sum = 0.0
         n_sum = 0
         self.drafter.train()
@@ -177,9 +179,12 @@ class Trainer:
             while self.step < min(self.total, stop_at or self.total):
                 loss, tau = self.train_step()
                 loss_sum, tau_sum, n_sum = loss_sum + loss, tau_sum + tau, n_sum + 1
+                if self.step == probe_from:
+                    t_probe = time.perf_counter()
                 if self.step == probe_at and cfg.time_budget_s:
-                    per_step = (time.perf_counter() - t0) / 20
-                    fit = int(cfg.time_budget_s / per_step)
+                    now = time.perf_counter()
+                    per_step = (now - t_probe) / (probe_at - probe_from)
+                    fit = self.step + int((cfg.time_budget_s - (now - t0)) / per_step)
                     if fit < self.total:
                         log(
                             f"time budget {cfg.time_budget_s:.0f}s at {per_step * 1e3:.0f} ms/"

@@ -24,6 +24,12 @@ class DraftSettings:
     window_override: str = "checkpoint"
     max_batch: int = 64  # most items in one Propose; larger batches are refused
     peer_id: str = ""  # identity in logs; "" = draft-<pid>
+    # CURVE (protocol/security.py): this service's secret key (Z85, inline or a file) and
+    # the client public keys let in (the gateway's and every verify worker's). Empty = plain.
+    curve_secret_key: str = ""
+    curve_secret_key_file: str = ""
+    curve_client_keys: str = ""  # comma-separated
+    curve_client_keys_file: str = ""  # a file of keys or a directory of *.key certificates
 
     def __post_init__(self) -> None:
         kind = self.drafter.split(":", 1)[0]

@@ -17,12 +17,18 @@ Optional, looked up with getattr so a drafter implements only what it has:
 from __future__ import annotations
 
 import importlib
+import json
+import logging
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from splitflash.services.draft.config import DraftSettings
 from splitflash.services.draft.ngram import NgramDrafter, NgramSettings
+
+log = logging.getLogger(__name__)
 
 DFLASH_MODULE = "splitflash.services.draft.dflash_drafter"
 DFLASH_FACTORY = "build_dflash_drafter"
@@ -55,12 +61,67 @@ class NoDrafter:
         pass
 
 
+class GarbageDrafter:
+    """drafter = "garbage": an EXPERIMENT for fault injection, never for serving. Proposes
+    uniformly random token ids from the target's vocabulary, so nearly every draft is
+    rejected (mean commit_len ~ 1.0 while drafts are proposed): the symptom that
+    `splitflash doctor` and the SpecCommitLenStuckAtOne alert must catch."""
+
+    name = "garbage"
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"garbage drafter needs a vocabulary, got size {vocab_size}")
+        self.vocab_size = vocab_size
+        self._rng = random.Random(seed)  # seeded: a failing experiment can be replayed
+        self._open: set[str] = set()
+
+    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+        self._open.add(request_id)
+
+    def extend(self, request_id: str, new_ids: list[int], base_len: int) -> None:
+        pass
+
+    def propose(self, request_id: str, k: int) -> list[int]:
+        return [self._rng.randrange(self.vocab_size) for _ in range(max(0, k))]
+
+    def release(self, request_id: str) -> None:
+        self._open.discard(request_id)
+
+
+def target_vocab_size(target: str) -> int:
+    """The target's vocabulary size from its config alone (no weights are read)."""
+    from splitflash.models import store
+
+    path = Path(store.resolve(target))
+    if path.is_dir() and (path / "config.json").exists():
+        return int(json.loads((path / "config.json").read_text())["vocab_size"])
+    gguf = path if path.is_file() else next(iter(sorted(path.glob("*.gguf"))), None)
+    if gguf is None:
+        raise FileNotFoundError(f"{path}: no config.json and no .gguf to read the vocabulary from")
+    from gguf import GGUFReader
+
+    from splitflash.models.loading import gguf_config
+
+    return gguf_config(GGUFReader(str(gguf))).vocab_size
+
+
 def build_drafter(settings: DraftSettings) -> Drafter:
     kind, _, path = settings.drafter.partition(":")
     if kind == "ngram":
         return NgramDrafter(NgramSettings(settings.ngram_min_n, settings.ngram_max_n))
     if kind == "none":
         return NoDrafter()
+    if kind == "garbage":
+        vocab = target_vocab_size(settings.target)
+        # Loud on purpose: a garbage drafter left in a deployment would look like a broken
+        # drafter, so its logs must say it was chosen as an experiment.
+        log.warning(
+            "EXPERIMENT: drafter 'garbage' proposes random tokens from a vocabulary of %d; "
+            "speculation will be rejected on (almost) every step. For fault injection only.",
+            vocab,
+        )
+        return GarbageDrafter(vocab)
     try:
         module = importlib.import_module(DFLASH_MODULE)
         factory = getattr(module, DFLASH_FACTORY)

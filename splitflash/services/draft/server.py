@@ -34,11 +34,10 @@ from splitflash.protocol import (
     Release,
     ReleaseReply,
     answer_hello,
-    bind,
     decode_tensor,
-    make_socket,
     serve_forever,
 )
+from splitflash.protocol.security import open_router, server_curve_from
 from splitflash.services.common.metric_math import METRICS, PREFIX, context_bucket
 from splitflash.services.common.metrics import draft_metrics, publish_attention_policy
 from splitflash.services.draft.batching import propose_all
@@ -80,13 +79,17 @@ class DraftServer:
         self._publish_policy()
         self.stopping = threading.Event()
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, "router")
-        try:
-            self.endpoint = bind(self._sock, settings.bind)
-        except zmq.ZMQError as e:
-            self._sock.close(linger=0)
+        try:  # CURVE keys (none = plain TCP); a bad key or a busy port: a clear error
+            self._sock, self.endpoint, self._guard = open_router(
+                self._ctx,
+                settings.bind,
+                server_curve_from(settings, "draft"),
+                self.metrics.common.count_protocol_error,
+                "draft",
+            )
+        except (RuntimeError, ValueError):
             self._ctx.term()
-            raise RuntimeError(f"draft cannot bind {settings.bind}: {e}") from e
+            raise
         self._http = None
 
     def _publish_policy(self) -> None:
@@ -131,6 +134,8 @@ class DraftServer:
         self.stopping.set()
 
     def close(self) -> None:
+        if self._guard is not None:
+            self._guard.stop(self._sock)
         self._sock.close(linger=0)
         self._ctx.term()
         if self._http is not None:

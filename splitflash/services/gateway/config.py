@@ -9,8 +9,20 @@ from dataclasses import dataclass
 class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 8000
-    verify_addr: str = "tcp://127.0.0.1:5555"
+    verify_addr: str = "tcp://127.0.0.1:5555"  # one worker; `verify_addrs` wins when set
     draft_addr: str = "tcp://127.0.0.1:5556"  # "" = no drafter: plain target decoding
+    # Several workers (comma-separated). A host name stands for every address it resolves
+    # to (compose `--scale verify=2`): one link per IP, re-resolved every discovery_s.
+    verify_addrs: tuple[str, ...] = ()
+    draft_addrs: tuple[str, ...] = ()
+    discovery_s: float = 5.0
+    # A verify worker lost mid-request: a request with no token streamed yet is retried
+    # from its prompt elsewhere; one with tokens streamed is resumed elsewhere from prompt +
+    # streamed tokens when `resume_streamed` and it is greedy or unseeded (a seeded sample
+    # would silently stop matching its seed), else it fails with 503. At most
+    # `max_attempts` verify workers per request, so a request that kills workers stops.
+    resume_streamed: bool = True
+    max_attempts: int = 3
     target: str = "smollm2-135m"  # for the tokenizer and chat template
     model_name: str = "smollm2-135m"  # the `model` field clients send and /v1/models shows
     max_context: int = 8192
@@ -24,9 +36,29 @@ class GatewaySettings:
     heartbeat_s: float = 1.0
     trace_requests: int = 256  # per-request traces kept in memory (most recent)
     api_keys: tuple[str, ...] = ()  # empty = no authentication
+    # CURVE towards the workers (protocol/security.py): the gateway's secret key and the
+    # workers' public keys, inline (Z85) or as files. All empty = plain TCP.
+    curve_secret_key: str = ""
+    curve_secret_key_file: str = ""
+    verify_server_key: str = ""
+    verify_server_key_file: str = ""
+    draft_server_key: str = ""
+    draft_server_key_file: str = ""
 
     def __post_init__(self) -> None:
         if not 2 <= self.block_size <= self.max_block_size:
             raise ValueError(f"block_size {self.block_size} outside 2..{self.max_block_size}")
         if self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+        if self.max_attempts < 1 or self.discovery_s <= 0:
+            raise ValueError("max_attempts must be >= 1 and discovery_s > 0")
+        if not self.verify_endpoints:
+            raise ValueError("no verify worker: set verify_addr or verify_addrs")
+
+    @property
+    def verify_endpoints(self) -> tuple[str, ...]:
+        return self.verify_addrs or ((self.verify_addr,) if self.verify_addr else ())
+
+    @property
+    def draft_endpoints(self) -> tuple[str, ...]:
+        return self.draft_addrs or ((self.draft_addr,) if self.draft_addr else ())

@@ -6,8 +6,12 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from splitflash.services.common.spec_stats import SpecStats
+
+if TYPE_CHECKING:
+    from splitflash.services.gateway.links import WorkerLink
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,12 @@ class Job:
     generated: list[int] = field(default_factory=list)
     pending_for_drafter: list[int] = field(default_factory=list)  # committed since last Propose
     drafter_generation: int = -1  # draft link generation the request was opened on
+    # Placement (placement.py): the workers this request is pinned to, the verify link's
+    # generation at prefill (a restart there loses the KV cache), verify workers tried.
+    verify: WorkerLink | None = None
+    verify_generation: int = -1
+    draft: WorkerLink | None = None
+    attempts: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     trace: deque = field(default_factory=lambda: deque(maxlen=4096))
     cancelled: bool = False  # client gone or stop string seen: release at the next step

@@ -1,4 +1,5 @@
-"""Everything the gateway holds while it runs: settings, tokenizer, links, metrics, loop."""
+"""Everything the gateway holds while it runs: settings, tokenizer, worker pools, metrics,
+the orchestrator loop."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from splitflash.protocol import DRAFT_REQUESTS, DRAFT_RESPONSES, VERIFY_REQUESTS, VERIFY_RESPONSES
+from splitflash.protocol.security import client_curve_from, warn_if_exposed
 from splitflash.services.common.metrics import gateway_metrics
 from splitflash.services.gateway.config import GatewaySettings
+from splitflash.services.gateway.discovery import WorkerPool
+from splitflash.services.gateway.drafting import Drafting
 from splitflash.services.gateway.links import WorkerLink
 from splitflash.services.gateway.orchestrator import Orchestrator
 
 log = logging.getLogger("splitflash.gateway")
+GREET_S = 2.0
 
 
 class GatewayRuntime:
@@ -22,75 +27,125 @@ class GatewayRuntime:
         self.tokenizer = tokenizer
         self.registry = CollectorRegistry()
         self.metrics = gateway_metrics(self.registry)
+        # keys are read here, so a bad key fails at start-up with the variable's name
+        self.curves = {
+            service: client_curve_from(settings, service, "gateway")
+            for service in ("verify", "draft")
+        }
         self.ctx: zmq.asyncio.Context | None = None
         self.orchestrator: Orchestrator | None = None
+        self.verify: WorkerPool | None = None
+        self.draft: WorkerPool | None = None
+        self.layers: tuple[int, ...] = ()  # target layers the drafters condition on
+
+    def _link(self, service: str, endpoint: str) -> WorkerLink:
+        codecs = {
+            "verify": (VERIFY_REQUESTS, VERIFY_RESPONSES),
+            "draft": (DRAFT_REQUESTS, DRAFT_RESPONSES),
+        }[service]
+        curve = self.curves[service]
+        warn_if_exposed(endpoint, curve, f"gateway link to {service}")
+        link = WorkerLink(self.ctx, service, endpoint, *codecs, self.settings.heartbeat_s, curve)
+        if service == "verify":
+            link.wants_target_layers = self.layers
+        else:
+            link.on_up = self._drafter_up
+        return link
+
+    def _maker(self, service: str):
+        return lambda endpoint: self._link(service, endpoint)
+
+    async def _drafter_up(self, link: WorkerLink, hello) -> None:
+        # verify must capture the target layers the drafters condition on; a new drafter
+        # may want other layers, so every verify worker is greeted again
+        layers = tuple(hello.target_layer_ids)
+        if layers == self.layers:
+            return
+        others = [d for d in self.draft.links.values() if d is not link and d.alive]
+        if any(tuple(d.hello.target_layer_ids) != layers for d in others if d.hello):
+            log.error(
+                "draft workers disagree on target layers (%s wants %s): run one drafter "
+                "kind per deployment",
+                link.addr,
+                list(layers),
+            )
+        self.layers = layers
+        for verify in self.verify.links.values():
+            verify.wants_target_layers = layers
+            if verify.alive:
+                await verify.greet(timeout_s=GREET_S)
+
+    async def _removed(self, link: WorkerLink) -> None:
+        if self.orchestrator is not None:
+            await self.orchestrator.forget_worker(link)
 
     async def start(self) -> None:
         s = self.settings
         self.ctx = zmq.asyncio.Context()
-        verify = WorkerLink(
-            self.ctx, "verify", s.verify_addr, VERIFY_REQUESTS, VERIFY_RESPONSES, s.heartbeat_s
+        self.verify, self.draft = (
+            WorkerPool(name, addrs, self._maker(name), self._removed, s.discovery_s)
+            for name, addrs in (("verify", s.verify_endpoints), ("draft", s.draft_endpoints))
         )
-        draft = None
-        if s.draft_addr:
-            draft = WorkerLink(
-                self.ctx, "draft", s.draft_addr, DRAFT_REQUESTS, DRAFT_RESPONSES, s.heartbeat_s
-            )
-
-            async def drafter_up(hello) -> None:
-                # verify must capture the target layers this drafter conditions on; a new
-                # drafter may want other layers, so verify is greeted again
-                layers = tuple(hello.target_layer_ids)
-                if layers != verify.wants_target_layers:
-                    verify.wants_target_layers = layers
-                    if verify.alive:
-                        await verify.greet(timeout_s=2.0)
-
-            draft.on_up = drafter_up
-            await draft.greet(timeout_s=2.0)
-        await verify.greet(timeout_s=2.0)
-        self.orchestrator = Orchestrator(s, verify, draft, self.metrics)
-        verify.start()
-        if draft is not None:
-            draft.start()
+        await self.draft.refresh()
+        await self.verify.refresh()
+        # drafters first: their HelloReply says which target layers verify must capture
+        await self.draft.greet_all(GREET_S)
+        await self.verify.greet_all(GREET_S)
+        drafting = Drafting(s, self.draft if s.draft_endpoints else None)
+        self.orchestrator = Orchestrator(s, self.verify, drafting, self.metrics)
+        self.verify.start()
+        self.draft.start()
         self.orchestrator.start()
         log.info(
-            "gateway on http://%s:%d (verify %s, draft %s)",
+            "gateway on http://%s:%d (verify %s -> %d worker(s), draft %s -> %d worker(s))",
             s.host,
             s.port,
-            s.verify_addr,
-            s.draft_addr or "none",
+            ",".join(s.verify_endpoints),
+            len(self.verify.links),
+            ",".join(s.draft_endpoints) or "none",
+            len(self.draft.links),
         )
 
     async def stop(self) -> None:
         if self.orchestrator is not None:
             await self.orchestrator.stop()
-            for link in (self.orchestrator.verify, self.orchestrator.draft):
-                if link is not None:
-                    await link.close()
+        for pool in (self.verify, self.draft):
+            if pool is not None:
+                await pool.close()
         if self.ctx is not None:
             self.ctx.term()
 
+    def _service_status(self, pool: WorkerPool | None, role: str) -> dict | None:
+        if pool is None or not pool.addrs:
+            return None
+        running = self.orchestrator.running if self.orchestrator else []
+        workers = [
+            {
+                "addr": link.addr,
+                "alive": link.alive,
+                "error": link.last_error,
+                "running": sum(1 for j in running if getattr(j, role) is link),
+                "info": dict(link.hello.info) if link.hello else {},
+            }
+            for link in pool.links.values()
+        ]
+        errors = sorted({w["error"] for w in workers if w["error"]})
+        return {
+            "addr": ",".join(pool.addrs),
+            "alive": any(w["alive"] for w in workers),
+            "error": "; ".join(errors) if workers else "no worker found (DNS)",
+            "info": next((w["info"] for w in workers if w["alive"]), {}),
+            "workers": workers,
+        }
+
     def status(self) -> dict:
         orch = self.orchestrator
-        verify_ok = bool(orch and orch.verify.alive)
-        draft = orch.draft if orch else None
+        verify = self._service_status(self.verify, "verify")
         return {
-            "ready": verify_ok,
+            "ready": bool(verify and verify["alive"]),
             "model": self.settings.model_name,
-            "verify": {
-                "addr": self.settings.verify_addr,
-                "alive": verify_ok,
-                "error": orch.verify.last_error if orch else "starting",
-            },
-            "draft": None
-            if draft is None
-            else {
-                "addr": draft.addr,
-                "alive": draft.alive,
-                "error": draft.last_error,
-                "info": dict(draft.hello.info) if draft.hello else {},
-            },
+            "verify": verify,
+            "draft": self._service_status(self.draft, "draft"),
             "running": len(orch.running) if orch else 0,
             "waiting": len(orch.waiting) if orch else 0,
         }

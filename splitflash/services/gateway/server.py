@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from splitflash.models import store
@@ -18,7 +19,11 @@ def run(overrides: dict | None = None) -> int:
     import uvicorn
 
     settings = load_settings(GatewaySettings, "SPLITFLASH_GATEWAY_", **(overrides or {}))
-    log.info("gateway settings: %s", settings)
+    shown = {  # never log secrets (API keys, inline CURVE secret key)
+        k: ("<set>" if v and ("secret" in k or k == "api_keys") else v)
+        for k, v in dataclasses.asdict(settings).items()
+    }
+    log.info("gateway settings: %s", shown)
     tokenizer = load_tokenizer(store.resolve(settings.target))
     app = create_app(GatewayRuntime(settings, tokenizer))
     uvicorn.run(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from splitflash.services.common.metric_math import context_bucket
-from splitflash.services.common.metrics import GatewayMetrics
+from splitflash.services.common.metrics import GatewayMetrics, record_spec_step
+from splitflash.services.common.spec_stats import step_invariants
 from splitflash.services.gateway.jobs import Job
+
+log = logging.getLogger("splitflash.gateway.orchestrator")
 
 
 class StepTimer:
@@ -67,4 +71,33 @@ def record_step(job: Job, result, timer: StepTimer, metrics: GatewayMetrics) -> 
             "verify_ms": round(phases["verify"] * 1e3, 3),
             "transport_ms": round(phases["transport"] * 1e3, 3),
         }
+    )
+
+
+def record_result(
+    job: Job, result, n_drafted: int, reason: str | None, timer: StepTimer, metrics
+) -> None:
+    """Count one request's verify step: fallback, trace, §4 invariants, spec metrics."""
+    if reason:
+        metrics.spec.spec_fallback_steps.labels(reason=reason).inc()
+    record_step(job, result, timer, metrics)
+    finished = bool(result.finished_reason) or result.commit_len >= job.remaining
+    broken = step_invariants(
+        result.draft_tokens,
+        n_drafted,
+        result.accepted_drafts,
+        result.accepted_depth,
+        result.commit_len,
+        finished,
+    )
+    if broken:
+        log.error("invariants broken for %s: %s (%s)", job.request_id, broken, result)
+    record_spec_step(
+        metrics.spec,
+        context_bucket(job.base_len),
+        result.draft_tokens,
+        n_drafted,
+        result.accepted_drafts,
+        result.commit_len,
+        broken,
     )

@@ -28,6 +28,15 @@ class VerifySettings:
     draft_retry_s: float = 5.0  # after a failed link, skip sends this long before retrying
     heartbeat_timeout_s: float = 2.0  # Hello round trip when (re)opening the draft link
     peer_id: str = ""  # identity in logs and Hello; "" = verify-<pid>
+    # CURVE (protocol/security.py): this service's secret key (Z85, inline or a file); the
+    # client public keys let in (the gateway's); the draft server's public key for the data
+    # plane. All empty = plain TCP.
+    curve_secret_key: str = ""
+    curve_secret_key_file: str = ""
+    curve_client_keys: str = ""  # comma-separated
+    curve_client_keys_file: str = ""  # a file of keys or a directory of *.key certificates
+    draft_server_key: str = ""
+    draft_server_key_file: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("", *DTYPES):

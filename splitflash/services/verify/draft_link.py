@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,7 @@ from splitflash.protocol import (
     make_hello,
     make_socket,
 )
+from splitflash.protocol.security import CurveClient
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +48,10 @@ class DraftLink:
         retry_s: float,
         chunk_rows: int,
         on_failure: Callable[[str], None],
+        curve: CurveClient | None = None,
     ) -> None:
         self.addr = addr
+        self._curve = curve
         self._ctx = ctx
         self._peer_id = peer_id
         self._timeout_s = timeout_s
@@ -66,7 +70,10 @@ class DraftLink:
             return self._client
         if time.monotonic() < self._down_until:
             return None
-        sock = make_socket(self._ctx, "dealer", identity=self._peer_id.encode())
+        # A unique identity: replicas of verify may share a peer_id (same pid in their
+        # containers), and a draft ROUTER ignores a second connection with a known identity.
+        identity = f"{self._peer_id}-{uuid.uuid4().hex[:8]}".encode()
+        sock = make_socket(self._ctx, "dealer", identity=identity, curve=self._curve)
         sock.connect(self.addr)
         client = Client(sock, DRAFT_REQUESTS, DRAFT_RESPONSES)
         try:
@@ -147,3 +154,53 @@ class DraftLink:
         if self._sock is not None:
             self._sock.close(linger=0)
         self._sock = self._client = None
+
+
+class DraftLinks:
+    """Verify's data-plane links, by the `PrefillItem.draft_peer` a request names.
+
+    Two forms (DESIGN.md §3, several workers): the configured name (`draft_name`, the link to
+    `draft_addr`: one drafter) or a draft endpoint itself (`tcp://10.0.3.7:5556`): the
+    gateway pins each request to one draft worker and tells verify which, so features go
+    where that request's drafts come from. Endpoint links open on first use and stay (a
+    draft worker that comes back at the same address is reused). With CURVE, every link
+    presents this verify's keys and trusts only the draft server key: naming an endpoint
+    cannot make verify hand features to a process without the draft secret key.
+    """
+
+    MAX_LINKS = 64  # distinct draft endpoints; more is a misbehaving gateway, not a fleet
+
+    def __init__(self, ctx: zmq.Context, settings, peer_id: str, curve, on_failure) -> None:
+        self._make = lambda addr: DraftLink(
+            ctx,
+            addr,
+            peer_id=peer_id,
+            timeout_s=settings.features_timeout_s,
+            retry_s=settings.draft_retry_s,
+            hello_timeout_s=settings.heartbeat_timeout_s,
+            chunk_rows=settings.features_chunk_rows,
+            on_failure=on_failure,
+            curve=curve,
+        )
+        self._name = settings.draft_name if settings.draft_addr else None
+        self._by_addr: dict[str, DraftLink] = {}
+        if settings.draft_addr:
+            self._by_addr[settings.draft_addr] = self._make(settings.draft_addr)
+            self._configured = self._by_addr[settings.draft_addr]
+
+    def resolve(self, peer: str) -> DraftLink | str:
+        """The link for `peer`, or why there is none (the prefill item's error)."""
+        if self._name is not None and peer == self._name:
+            return self._configured
+        if not peer.startswith(("tcp://", "ipc://", "inproc://")):
+            return f"unknown draft_peer {peer!r} (configured: {self._name})"
+        link = self._by_addr.get(peer)
+        if link is None:
+            if len(self._by_addr) >= self.MAX_LINKS:
+                return f"draft_peer {peer!r}: already {self.MAX_LINKS} draft links open"
+            link = self._by_addr[peer] = self._make(peer)
+        return link
+
+    def close(self) -> None:
+        for link in self._by_addr.values():
+            link.close()

@@ -36,12 +36,11 @@ from splitflash.protocol import (
     Verify,
     VerifyReply,
     answer_hello,
-    bind,
-    make_socket,
     serve_forever,
 )
+from splitflash.protocol.security import client_curve_from, open_router, server_curve_from
 from splitflash.services.verify.config import VerifySettings
-from splitflash.services.verify.draft_link import DraftLink
+from splitflash.services.verify.draft_link import DraftLink, DraftLinks
 from splitflash.services.verify.engine import DesyncError, StepReport, TargetEngine, VerifyInput
 from splitflash.services.verify.metrics_server import build_verify_metrics, start_metrics_http
 from splitflash.services.verify.sampling import Sampling
@@ -80,26 +79,19 @@ class VerifyServer:
         self.metrics = build_verify_metrics()
         self.stopping = threading.Event()
         self._ctx = zmq.Context()
-        self._sock = make_socket(self._ctx, "router")
-        try:
-            self.endpoint = bind(self._sock, settings.bind)
-        except zmq.ZMQError as e:
-            self._sock.close(linger=0)
-            self._ctx.term()
-            raise RuntimeError(f"verify cannot bind {settings.bind}: {e}") from e
-        self._link = None
-        if settings.draft_addr:
-            self._link = DraftLink(
-                self._ctx,
-                settings.draft_addr,
-                peer_id=self.peer_id,
-                timeout_s=settings.features_timeout_s,
-                retry_s=settings.draft_retry_s,
-                hello_timeout_s=settings.heartbeat_timeout_s,
-                chunk_rows=settings.features_chunk_rows,
-                on_failure=self.metrics.count_error,
+        try:  # CURVE keys (none = plain TCP); a bad key or a busy port: a clear error
+            curve = server_curve_from(settings, "verify")
+            self._sock, self.endpoint, self._guard = open_router(
+                self._ctx, settings.bind, curve, self.metrics.count_error, "verify"
             )
-        self._feature_peers: set[str] = set()  # requests whose features go to the draft link
+            link_curve = client_curve_from(settings, "draft", "verify")
+        except (RuntimeError, ValueError):
+            self._ctx.term()
+            raise
+        self._links = DraftLinks(
+            self._ctx, settings, self.peer_id, link_curve, self.metrics.count_error
+        )
+        self._feature_peers: dict[str, DraftLink] = {}  # request -> its data-plane link
         self._http = None
         self._weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         self._update_kv_gauges()
@@ -141,8 +133,9 @@ class VerifyServer:
         self.stopping.set()
 
     def close(self) -> None:
-        if self._link is not None:
-            self._link.close()
+        self._links.close()
+        if self._guard is not None:
+            self._guard.stop(self._sock)
         self._sock.close(linger=0)
         self._ctx.term()
         if self._http is not None:
@@ -217,9 +210,9 @@ class VerifyServer:
         rid = item.request_id
         if time.time() > item.deadline:
             return error_result(rid, 0, "deadline: passed before prefill")
-        peer, link_name = item.draft_peer, self.settings.draft_name if self._link else None
-        if peer is not None and peer != link_name:
-            return error_result(rid, 0, f"unknown draft_peer {peer!r} (configured: {link_name})")
+        link = None if item.draft_peer is None else self._links.resolve(item.draft_peer)
+        if isinstance(link, str):
+            return error_result(rid, 0, link)
         s = item.sampling
         sampling = Sampling(s.temperature, s.top_p, s.top_k, s.seed)
         room = self.engine.max_context - len(item.prompt_ids)
@@ -229,8 +222,8 @@ class VerifyServer:
         except Exception as e:  # too long, pool full, duplicate id: this item fails only
             log.warning("prefill of %s failed: %s", rid, e)
             return error_result(rid, 0, f"{type(e).__name__}: {e}")
-        if peer is not None:
-            self._feature_peers.add(rid)
+        if link is not None:
+            self._feature_peers[rid] = link
         return report
 
     # --- verify ---------------------------------------------------------------------
@@ -276,16 +269,17 @@ class VerifyServer:
 
     def _send_features(self, report: StepReport) -> None:
         rid, feats = report.request_id, report.features  # feats [kept rows, F] or None
-        if self._link is not None and feats is not None and rid in self._feature_peers:
-            self._link.send(rid, report.feature_start, feats, self.engine.feature_layer_ids)
+        link = self._feature_peers.get(rid)
+        if link is not None and feats is not None:
+            link.send(rid, report.feature_start, feats, self.engine.feature_layer_ids)
 
     # --- release --------------------------------------------------------------------
     def _release(self, msg: Release) -> ReleaseReply:
         released = [rid for rid in msg.request_ids if self.engine.release(rid)]
         for rid in msg.request_ids:
-            self._feature_peers.discard(rid)
-            if self._link is not None:
-                self._link.forget(rid)
+            link = self._feature_peers.pop(rid, None)
+            if link is not None:
+                link.forget(rid)
         return ReleaseReply(released=released)
 
     def _update_kv_gauges(self) -> None:

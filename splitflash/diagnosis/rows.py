@@ -1,0 +1,109 @@
+"""Measured rows from raw observations: a request's trace and metric scrapes. Pure.
+
+Pooled, never averages of averages (DESIGN §4): a row's per-step means are sums over every
+step of every request at that context divided by the step count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+STAT_KEYS = ("steps", "draft_tokens", "accepted_drafts")  # response stats cross-checked
+
+
+def parse_metrics(text: str) -> Samples:
+    """Prometheus text -> {(sample name, sorted labels): value}."""
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+
+def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (n, lab), v in samples.items():
+        value = dict(lab).get(label)
+        if n == name and value is not None:
+            out[value] = out.get(value, 0.0) + v
+    return out
+
+
+def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
+    """Counter increase between two scrapes (a restart in between reads as the new value)."""
+    a, b = total(after, name, **labels), total(before, name, **labels)
+    return a - b if a >= b else a
+
+
+def summarise(requests: Sequence[Mapping]) -> dict:
+    """One row from the requests run at one context. Each request: context (prompt
+    tokens), trace (the /trace steps), decode_s (first to last token, seconds), tokens
+    (completion tokens), reported (the response's speculative_decoding_stats or {})."""
+    steps = [s for r in requests for s in r["trace"]]
+    n = len(steps)
+    tokens = sum(int(r["tokens"]) for r in requests)
+    decode_s = sum(float(r["decode_s"]) for r in requests)
+
+    def mean(key: str) -> float:
+        return sum(float(s[key]) for s in steps) / n if n else 0.0
+
+    row = {
+        "context": round(sum(int(r["context"]) for r in requests) / max(len(requests), 1)),
+        "requests": len(requests),
+        "steps": n,
+        # the first token comes from prefill; the others from decode steps
+        "tok_s": (tokens - len(requests)) / decode_s if decode_s > 0 else 0.0,
+        "step_ms": 1e3 * decode_s / n if n else 0.0,
+        "mean_commit_len": mean("commit_len"),
+        "drafted": mean("drafted"),
+        "accepted_drafts": mean("accepted_drafts"),
+        "accepted_depth": mean("accepted_depth"),
+        "draft_ms": mean("draft_ms"),
+        "verify_ms": mean("verify_ms"),
+        "transport_ms": mean("transport_ms"),
+        "no_draft_fraction": sum(1 for s in steps if not s["drafted"]) / n if n else 0.0,
+        "trace_totals": {
+            "steps": n,
+            "draft_tokens": sum(int(s["drafted"]) for s in steps),
+            "accepted_drafts": sum(int(s["accepted_drafts"]) for s in steps),
+        },
+    }
+    reported = [r.get("reported") or {} for r in requests]
+    if all(all(k in rep for k in STAT_KEYS) for rep in reported):
+        row["reported"] = {k: sum(int(rep[k]) for rep in reported) for k in STAT_KEYS}
+    return row
+
+
+def worker_figures(
+    draft: tuple[Samples, Samples] | None,
+    verify: tuple[Samples, Samples] | None,
+    steps: int,
+) -> dict:
+    """Per-context figures from (before, after) worker scrapes around that context's
+    requests (run one at a time, so every increase belongs to them)."""
+    out: dict = {}
+    if draft is not None:
+        before, after = draft
+        drafts = delta(after, before, "splitflash_draft_steps_total")
+        if drafts > 0:
+            kinds = set(by_label(after, "splitflash_draft_kv_keys_read_total", "layer_kind"))
+            out["keys_per_draft"] = {
+                k: delta(after, before, "splitflash_draft_kv_keys_read_total", layer_kind=k)
+                / drafts
+                for k in sorted(kinds)
+            }
+    if verify is not None and steps:
+        before, after = verify
+        read = delta(after, before, "splitflash_verify_kv_bytes_read_total")
+        if read > 0:
+            out["bytes_per_step"] = read / steps
+    return out

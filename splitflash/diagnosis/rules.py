@@ -1,0 +1,59 @@
+"""Anomaly rules over measured rows: pure functions, (rows, policy) -> list[Finding].
+
+A row is what `splitflash doctor` measured at one context length (per decode step means over
+one or more greedy requests; DESIGN.md §4 terms):
+  context (prompt tokens), steps, tok_s (decode tokens/s), step_ms (wall ms per step),
+  mean_commit_len (c), drafted (K per step), accepted_drafts (a per step),
+  accepted_depth (d per step), draft_ms, verify_ms, transport_ms,
+  optional: bytes_per_step (verify bytes read per step), keys_per_draft
+  ({layer_kind: context keys read per draft}), no_draft_fraction (steps with K == 0),
+  trace_totals / reported ({steps, draft_tokens, accepted_drafts}: summed over the trace
+  vs the response's speculative_decoding_stats).
+Missing keys mean "not measured": a rule that needs them says nothing.
+Each rule returns at most one Finding, naming the evidence and the likely cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from splitflash.diagnosis.context_rules import (
+    acceptance_falls,
+    step_outgrows_bytes,
+    throughput_collapse,
+    window_not_applied,
+)
+from splitflash.diagnosis.findings import Finding, PolicyInfo
+from splitflash.diagnosis.judging import Row, ctx
+from splitflash.diagnosis.step_rules import (
+    commit_len_stuck,
+    drafter_silent,
+    invariants_broken,
+    metrics_contradict,
+    stats_disagree,
+)
+
+__all__ = ["RULES", "Row", "ctx", "diagnose"]
+
+RULES: tuple[Callable[[Sequence[Row], PolicyInfo], Finding | None], ...] = (
+    commit_len_stuck,
+    metrics_contradict,
+    stats_disagree,
+    window_not_applied,
+    step_outgrows_bytes,
+    throughput_collapse,
+    acceptance_falls,
+    drafter_silent,
+)
+
+
+def diagnose(
+    rows: Sequence[Row],
+    policy: PolicyInfo | None = None,
+    violations: Mapping[str, float] | None = None,
+) -> list[Finding]:
+    """Every anomaly in `rows`, most important first; [] for a healthy deployment."""
+    policy = policy or PolicyInfo()
+    found = [rule(rows, policy) for rule in RULES]
+    found.append(invariants_broken(violations or {}))
+    return [f for f in found if f is not None]

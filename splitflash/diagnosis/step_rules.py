@@ -1,0 +1,120 @@
+"""Rules on the per-step figures themselves (DESIGN §4): stuck commit_len, figures that
+contradict each other, stats that disagree, a silent drafter, counted invariant breaks.
+Pure: (rows, policy) -> Finding | None; row keys are listed in rules.py."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from splitflash.diagnosis.findings import Finding, PolicyInfo
+from splitflash.diagnosis.judging import (
+    EPS,
+    STUCK_COMMIT,
+    Row,
+    ctx,
+    judged,
+    num,
+)
+
+
+def commit_len_stuck(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
+    bad = [
+        r
+        for r in judged(rows)
+        if (num(r, "drafted") or 0) >= 1 and (num(r, "mean_commit_len") or 9) <= STUCK_COMMIT
+    ]
+    if not bad:
+        return None
+    r = bad[0]
+    where = ", ".join(ctx(b["context"]) for b in bad)
+    note = (
+        " (the 'garbage' experiment drafter is running: expected)"
+        if policy.drafter == ("garbage")
+        else ""
+    )
+    return Finding(
+        "commit_len_stuck",
+        f"mean commit_len {float(r['mean_commit_len']):.2f} with {float(r['drafted']):.0f} "
+        f"drafts per step (context {where}): every draft rejected, or drafter and target out "
+        f"of step (context/KV desync, wrong target layers or mask token, or an attention "
+        f"policy the drafter was not trained with){note}",
+        "critical",
+    )
+
+
+def metrics_contradict(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
+    """DESIGN §4: d == a, c == a + 1 (c a little lower when a request ends inside a step)."""
+    for r in judged(rows):
+        a, d, c = (num(r, k) for k in ("accepted_drafts", "accepted_depth", "mean_commit_len"))
+        k, steps = num(r, "drafted"), float(r["steps"])
+        if a is not None and d is not None and abs(d - a) > EPS:
+            what = f"accepted_depth {d:.2f} but accepted_drafts {a:.2f}"
+            rule = "d == a"
+        elif (
+            a is not None
+            and c is not None
+            and not (a + 1 - (max(k or 0, a) + 1) / steps - EPS <= c <= a + 1 + EPS)
+        ):
+            what = f"mean commit_len {c:.2f} but accepted_drafts {a:.2f}"
+            rule = "c == a + 1"
+        elif a is not None and k is not None and a > k + EPS:
+            what = f"accepted_drafts {a:.2f} but only {k:.2f} drafted"
+            rule = "a <= K"
+        else:
+            continue
+        return Finding(
+            "metrics_contradict",
+            f"{what} per step at context {ctx(r['context'])}: the metrics contradict each "
+            f"other (DESIGN §4: {rule}); one of them is counted wrong or read from the wrong "
+            f"buffer, so no speculative figure here can be trusted",
+            "critical",
+        )
+    return None
+
+
+def drafter_silent(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
+    """A model drafter (not n-gram lookup, which often has nothing to propose) that
+    proposes nothing on most steps is down, past its deadline or refusing requests."""
+    if policy.drafter in ("", "ngram", "none"):
+        return None
+    for r in judged(rows):
+        frac = num(r, "no_draft_fraction")
+        if frac is not None and frac > 0.5:
+            return Finding(
+                "drafter_silent",
+                f"drafter {policy.drafter} proposed nothing on {frac:.0%} of the steps at "
+                f"{ctx(r['context'])}: the steps ran as plain decode (drafter down, past its "
+                f"deadline, or refusing the request, e.g. missing target features)",
+            )
+    return None
+
+
+def stats_disagree(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
+    for r in rows:
+        got, want = r.get("trace_totals"), r.get("reported")
+        if not (isinstance(got, Mapping) and isinstance(want, Mapping)):
+            continue
+        diff = [k for k in want if k in got and got[k] != want[k]]
+        if diff:
+            pairs = ", ".join(f"{k} {got[k]} vs {want[k]}" for k in diff)
+            return Finding(
+                "stats_disagree",
+                f"at {ctx(r.get('context', 0))} the per-step trace and the response's "
+                f"speculative_decoding_stats disagree ({pairs}): a step is counted in one "
+                f"place and not the other",
+                "critical",
+            )
+    return None
+
+
+def invariants_broken(violations: Mapping[str, float]) -> Finding | None:
+    total = sum(violations.values())
+    if total <= 0:
+        return None
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(violations.items()) if v > 0)
+    return Finding(
+        "invariant_violations",
+        f"invariant violations counted: {total:.0f} ({parts}); see DESIGN §4: the figures "
+        f"they relate cannot all be right (kv_length = drafter/target desync)",
+        "critical",
+    )
