@@ -6,9 +6,17 @@ import argparse
 import logging
 import sys
 
-from splitflash.cli import bench_cmd, generate, models_cmd, serve_cmd, train_cmd, up_cmd
+from splitflash.cli import (
+    bench_cmd,
+    doctor_cmd,
+    generate,
+    models_cmd,
+    serve_cmd,
+    train_cmd,
+    up_cmd,
+)
 
-COMMANDS = [models_cmd, generate, up_cmd, serve_cmd, train_cmd, bench_cmd]
+COMMANDS = [models_cmd, generate, up_cmd, serve_cmd, train_cmd, bench_cmd, doctor_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,7 +111,8 @@ def switch_drafter(c: Cluster, drafter: str, **env: str) -> dict:
         draft = json.loads(http_get(c.url + "/ready")[1]).get("draft") or {}
         return draft.get("info") or {} if draft.get("alive") else {}
 
-    c.wait_for(lambda: info().get("drafter") == drafter, timeout=120, what=f"{drafter} up")
+    name = drafter.partition(":")[0]  # the drafter reports its kind, not its path
+    c.wait_for(lambda: info().get("drafter") == name, timeout=120, what=f"{drafter} up")
     return info()
 
 
@@ -152,7 +153,7 @@ def test_garbage_drafter_commit_len_stuck_doctor_and_alert(deployment, tmp_path)
     assert info["drafter"] == "garbage"
     out_json, out_png = tmp_path / "doctor.json", tmp_path / "doctor.png"
     code = doctor_cmd.main(["--url", c.url, "--contexts", ",".join(map(str, CONTEXTS)),
-                            "--max-tokens", "16", "--json", str(out_json),
+                            "--max-tokens", "6", "--json", str(out_json),
                             "--plot", str(out_png)])  # fmt: skip
     report = json.loads(out_json.read_text())
     assert code == 1, report["findings"]
@@ -198,10 +199,11 @@ def test_pooled_counters_equal_the_sum_of_per_request_stats(deployment):
 
 def test_doctor_finds_nothing_on_the_healthy_ngram_deployment(deployment):
     c, _ = deployment
-    report = run_doctor(c.url, CONTEXTS, max_tokens=16, **worker_urls(c))
+    # n-gram on a repeated paragraph commits several tokens a step: 40 tokens for >= 3 steps
+    report = run_doctor(c.url, CONTEXTS, max_tokens=40, **worker_urls(c))
     assert report.policy.drafter == "ngram"
     assert report.findings == [], [f.message for f in report.findings]
-    assert [r["steps"] >= 3 for r in report.rows] == [True, True]
+    assert [r["steps"] >= 3 for r in report.rows] == [True, True], report.rows  # judged
 
 
 # ---- 3. DFlash with its sliding window turned off ----------------------------------------
@@ -212,7 +214,7 @@ def test_window_off_policy_mismatch_alert_and_doctor(deployment, tmp_path):
     assert "window_override=off" in info["policy"], info
     draft = parse_metrics(c.metrics("draft"))
     assert total(draft, "splitflash_draft_attention_policy_mismatch") == 1
-    report = run_doctor(c.url, CONTEXTS, max_tokens=16, **worker_urls(c))
+    report = run_doctor(c.url, CONTEXTS, max_tokens=6, **worker_urls(c))
     got = {f.code: f.message for f in report.findings}
     assert "window_not_applied" in got, got
     msg = got["window_not_applied"]
@@ -260,9 +262,12 @@ def panel_exprs() -> list[tuple[str, str, str]]:
 
 def test_every_dashboard_expression_returns_data(deployment):
     c, prom = deployment
-    inject_protocol_error(c)
-    assert total(parse_metrics(c.metrics("draft")), "splitflash_protocol_errors_total") >= 1
-    prom.wait_scraped()
+    # rate() needs two samples of a series and ignores its first value: error, scrape,
+    # error, scrape, so the protocol-errors panel has a series with a real increase.
+    for _ in range(2):
+        inject_protocol_error(c)
+        prom.wait_scraped()
+    assert total(parse_metrics(c.metrics("draft")), "splitflash_protocol_errors_total") >= 2
     exprs = panel_exprs()
     assert len(exprs) >= 30 and {e[0] for e in exprs} == {"speculative", "long-context",
                                                           "services"}  # fmt: skip

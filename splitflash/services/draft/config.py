@@ -33,7 +33,9 @@ class DraftSettings:
 
     def __post_init__(self) -> None:
         kind = self.drafter.split(":", 1)[0]
-        if kind not in ("ngram", "dflash", "none") or (kind != "dflash" and ":" in self.drafter):
+        if kind not in ("ngram", "dflash", "none", "garbage") or (
+            kind != "dflash" and ":" in self.drafter
+        ):
             raise ValueError(
                 f"drafter must be 'ngram', 'dflash', 'dflash:PATH' or 'none', got {self.drafter!r}"
             )
