@@ -91,6 +91,57 @@ def measure_commit_len(
     }
 
 
+@torch.no_grad()
+def offline_commit_len(target, drafter, prompts: list[list[int]], max_tokens: int,
+                       block_size: int, stop_ids=(), greedy: dict | None = None) -> dict:
+    """The same pooled figures without the step loop, for machines where it is slow.
+
+    Greedy speculative decoding commits exactly the target's greedy tokens, so the step
+    sequence follows from that output alone: from anchor a the drafter proposes from the
+    features of positions < a, the longest matching prefix is accepted, the next anchor is
+    a + accepted + 1. One target forward gives every feature and one training-path forward
+    (`block_logits`, tested equal to `DFlashDrafter.draft`) every block.
+    """
+    from splitflash.training.blocks import block_logits
+    from splitflash.training.dense import generate_batch, target_features
+
+    pooled = SpecStats()
+    t0 = time.perf_counter()
+    stops = set(stop_ids)
+    tokens = 0
+    dev = target.embed_tokens.weight.device
+    w = drafter.fc.weight
+    greedy = {} if greedy is None else greedy
+    missing = [p for p in prompts if (tuple(p), max_tokens) not in greedy]
+    for lo in range(0, len(missing), 16):  # batched: the target's greedy output only
+        chunk = missing[lo:lo + 16]
+        for prompt, out in zip(chunk, generate_batch(target, chunk, max_tokens, stops),
+                               strict=True):
+            greedy[(tuple(prompt), max_tokens)] = out
+    for prompt in prompts:
+        out = greedy[(tuple(prompt), max_tokens)]
+        tokens += len(out)
+        seq = torch.tensor([prompt + out], device=dev)  # [1, T]
+        feats = target_features(target, seq, drafter.config.target_layer_ids).to(w.dtype)
+        p, t = len(prompt), seq.shape[1]
+        anchors = torch.arange(p, t, device=dev)[None]  # every anchor the loop may visit
+        drafts = block_logits(drafter, feats, seq, anchors, block_size).argmax(-1)[0].tolist()
+        done = 1  # the prefill committed one token
+        while done < len(out) and out[done - 1] not in stops:
+            a = p + done - 1  # anchor: the last committed token
+            k = min(block_size - 1, max_tokens - done - 1)
+            want = out[done:done + k]
+            acc = 0
+            while acc < min(k, len(want)) and drafts[a - p][acc] == want[acc]:
+                acc += 1
+            commit = min(acc + 1, len(out) - done)
+            pooled.record(k, k, min(acc, commit), commit)
+            done += commit
+    return {"block_size": block_size, "prompts": len(prompts), "tokens": tokens,
+            "seconds": round(time.perf_counter() - t0, 2), "mode": "offline",
+            **pooled.to_dict()}
+
+
 def eval_prompts(data_dir: Path, n: int) -> list[list[int]]:
     """Held-out prompts (split 'eval': their source files were never used for training)."""
     from splitflash.training.data import read_jsonl
@@ -121,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--offline", action="store_true",
+                   help="derive the steps from the target's greedy output (no step loop)")
     args = p.parse_args(argv)
     path = store.resolve(args.target)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

@@ -40,4 +40,5 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 
-CMD ["splitflash", "serve", "gateway"]
+# The tokenizer lives in the model file: pull a named model into the volume first.
+CMD ["sh", "-c", "case \"${SPLITFLASH_TARGET:-smollm2-135m}\" in */*) ;; *) splitflash models pull \"${SPLITFLASH_TARGET:-smollm2-135m}\" || exit 1 ;; esac; exec splitflash serve gateway"]

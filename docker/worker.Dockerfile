@@ -29,7 +29,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SPLITFLASH_CACHE=/models \
-    SPLITFLASH_DEVICE=${VARIANT} \
+    SPLITFLASH_VERIFY_DEVICE=${VARIANT} \
+    SPLITFLASH_DRAFT_DEVICE=${VARIANT} \
+    SPLITFLASH_TARGET=smollm2-135m \
     SPLITFLASH_SERVICE=verify \
     HOME=/home/splitflash
 
@@ -42,14 +44,15 @@ RUN pip install . \
 
 # Triton and torch caches live in $HOME, writable by this user.
 USER splitflash
-# ZeroMQ: 5555 verify, 5556 draft, 5557 verify->draft data plane (draft binds);
-# metrics: 9101 draft, 9102 verify.
-EXPOSE 5555 5556 5557 9101 9102
+# ZeroMQ: 5555 verify, 5556 draft (also the verify->draft data plane); metrics: 9101 draft,
+# 9102 verify.
+EXPOSE 5555 5556 9101 9102
 
 # `splitflash health` sends a ZeroMQ Hello/Heartbeat to this container's service.
 # Long start period: a worker loads (and may pull) its model before it answers.
 HEALTHCHECK --interval=15s --timeout=10s --start-period=300s --retries=3 \
     CMD splitflash health "$SPLITFLASH_SERVICE"
 
-# exec: splitflash replaces the shell, so `docker stop` (SIGTERM) reaches the worker itself.
-CMD ["sh", "-c", "exec splitflash serve \"$SPLITFLASH_SERVICE\""]
+# A named model is pulled into the /models volume first (idempotent, sha256-checked; a path
+# is used as it is). exec: `docker stop` (SIGTERM) reaches the worker itself.
+CMD ["sh", "-c", "case \"$SPLITFLASH_TARGET\" in */*) ;; *) splitflash models pull \"$SPLITFLASH_TARGET\" || exit 1 ;; esac; exec splitflash serve \"$SPLITFLASH_SERVICE\""]

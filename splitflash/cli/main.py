@@ -10,13 +10,14 @@ from splitflash.cli import (
     bench_cmd,
     doctor_cmd,
     generate,
+    keys_cmd,
     models_cmd,
     serve_cmd,
     train_cmd,
     up_cmd,
 )
 
-COMMANDS = [models_cmd, generate, up_cmd, serve_cmd, train_cmd, bench_cmd, doctor_cmd]
+COMMANDS = [models_cmd, generate, up_cmd, serve_cmd, train_cmd, bench_cmd, doctor_cmd, keys_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,7 +52,9 @@ def register(sub) -> None:
 
     health = sub.add_parser("health", help="probe a service: Hello + Heartbeat, exit 0/1")
     health.add_argument("service", choices=["draft", "verify"])
-    health.add_argument("--addr", required=True, help="e.g. tcp://127.0.0.1:5555")
+    health.add_argument(
+        "--addr", default=None, help="default: the service's own bind address from its settings"
+    )
     health.add_argument("--timeout", type=float, default=3.0, help="seconds per call")
     health.set_defaults(run=_run_health)
 
@@ -106,7 +108,7 @@ def probe(service: str, addr: str, timeout_s: float) -> str:
         "verify": (VERIFY_REQUESTS, VERIFY_RESPONSES),
     }[service]
     ctx = zmq.Context()
-    sock = make_socket(ctx, "dealer")
+    sock = make_socket(ctx, "dealer", curve=_own_curve(service))
     try:
         sock.connect(addr)
         client = Client(sock, *codecs)
@@ -122,7 +124,40 @@ def probe(service: str, addr: str, timeout_s: float) -> str:
         ctx.term()
 
 
+def _own_curve(service: str):
+    """Under CURVE a probe speaks with the service's own keypair, which the service admits
+    (a healthcheck runs beside the service, with its settings); None = plain TCP."""
+    from splitflash.protocol.security import CurveClient, public_of, read_one_key
+    from splitflash.services.common.settings import load_settings
+
+    if service == "verify":
+        from splitflash.services.verify.config import VerifySettings as cls
+    else:
+        from splitflash.services.draft.config import DraftSettings as cls
+    settings = load_settings(cls, f"SPLITFLASH_{service.upper()}_")
+    secret = read_one_key(
+        settings.curve_secret_key, settings.curve_secret_key_file, "secret", f"{service} secret key"
+    )
+    if secret is None:
+        return None
+    public = public_of(secret)
+    return CurveClient(secret_key=secret, public_key=public, server_key=public)
+
+
+def _own_addr(service: str) -> str:
+    """The service's bind address (settings/env), as a client on this host reaches it."""
+    from splitflash.services.common.settings import load_settings
+
+    if service == "verify":
+        from splitflash.services.verify.config import VerifySettings as cls
+    else:
+        from splitflash.services.draft.config import DraftSettings as cls
+    bind = load_settings(cls, f"SPLITFLASH_{service.upper()}_").bind
+    return bind.replace("0.0.0.0", "127.0.0.1").replace("://*:", "://127.0.0.1:")
+
+
 def _run_health(args: argparse.Namespace) -> int:
+    args.addr = args.addr or _own_addr(args.service)
     from splitflash.protocol import PeerTimeout, ProtocolError
 
     try:

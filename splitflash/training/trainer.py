@@ -62,6 +62,13 @@ def _tau_estimate(logits, ids, lengths, anchors, valid) -> float:
     return 1.0 + float(ok[valid].float().mean()) if bool(valid.any()) else 1.0
 
 
+def plan_total(step: int, elapsed_s: float, per_step_s: float, budget_s: float,
+               max_steps: int) -> int:
+    """Total steps that fit the budget at the current pace (never past max_steps)."""
+    fit = step + int(max(0.0, budget_s - elapsed_s) / max(per_step_s, 1e-9))
+    return max(step + 1, min(max_steps, fit))
+
+
 class Trainer:
     def __init__(
         self,
@@ -163,9 +170,10 @@ class Trainer:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         cfg = self.cfg
-        # Steps 10..30 time the loop: the first ones pay for kernel selection and warm-up.
-        t0, probe_from, probe_at = time.perf_counter(), self.step + 10, self.step + 30
-        t_probe = t0
+        # The step time is re-measured every 25 steps until half-way: early steps pay for
+        # kernel selection and allocator growth, so one early probe plans far too few steps.
+        t0 = t_mark = time.perf_counter()
+        s_mark = self.step
         loss_sum = tau_sum = 0.0
         n_sum = 0
         self.drafter.train()
@@ -179,18 +187,17 @@ class Trainer:
             while self.step < min(self.total, stop_at or self.total):
                 loss, tau = self.train_step()
                 loss_sum, tau_sum, n_sum = loss_sum + loss, tau_sum + tau, n_sum + 1
-                if self.step == probe_from:
-                    t_probe = time.perf_counter()
-                if self.step == probe_at and cfg.time_budget_s:
+                if cfg.time_budget_s and self.step % 25 == 0 and self.step - s_mark >= 10 \
+                        and self.step < self.total // 2:
                     now = time.perf_counter()
-                    per_step = (now - t_probe) / (probe_at - probe_from)
-                    fit = self.step + int((cfg.time_budget_s - (now - t0)) / per_step)
-                    if fit < self.total:
-                        log(
-                            f"time budget {cfg.time_budget_s:.0f}s at {per_step * 1e3:.0f} ms/"
-                            f"step: planned steps {self.total} -> {fit}"
-                        )
-                        self.total = max(self.step + 1, fit)
+                    per_step = (now - t_mark) / (self.step - s_mark)
+                    t_mark, s_mark = now, self.step
+                    total = plan_total(self.step, now - t0, per_step, cfg.time_budget_s,
+                                       cfg.steps)
+                    if total != self.total:
+                        log(f"time budget {cfg.time_budget_s:.0f}s at {per_step * 1e3:.0f} "
+                            f"ms/step: planned steps {self.total} -> {total}")
+                        self.total = total
                         bar.update(task, total=self.total)
                 info = f"loss {loss:.3f} tau~{tau:.2f}"
                 bar.update(task, completed=self.step, info=info)

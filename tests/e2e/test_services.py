@@ -234,19 +234,6 @@ def test_drafter_killed_mid_stream_then_back(cluster):
     assert status == 200 and body["speculative_decoding_stats"]["draft_tokens"] > 0
 
 
-def test_verify_down_means_503_not_a_hang(cluster):
-    cluster.kill("verify")
-    cluster.wait_for(
-        lambda: http_get(cluster.url + "/ready")[0] == 503,
-        timeout=30,
-        what="/ready to report verify down",
-    )
-    t0 = time.monotonic()
-    status, body = chat(cluster, "hi", max_tokens=4)
-    assert status == 503 and body["error"]["code"] == "verify_unavailable"
-    assert time.monotonic() - t0 < 10
-
-
 def test_concurrent_requests_batch_together_and_match_solo_outputs(cluster):
     """Continuous batching: 6 requests at once (joining and leaving between steps) give the
     same greedy text as each alone, and the per-request stats stay sound."""
@@ -277,3 +264,16 @@ def test_concurrent_requests_batch_together_and_match_solo_outputs(cluster):
     request_steps = sum(b["speculative_decoding_stats"]["steps"] for _, b in together)
     # one batched step serves several requests: far fewer steps than request-steps
     assert 0 < batch_steps < request_steps
+
+
+def test_verify_down_means_503_not_a_hang(cluster):
+    cluster.kill("verify")
+    cluster.wait_for(
+        lambda: http_get(cluster.url + "/ready")[0] == 503,
+        timeout=30,
+        what="/ready to report verify down",
+    )
+    t0 = time.monotonic()
+    status, body = chat(cluster, "hi", max_tokens=4)
+    assert status == 503 and body["error"]["code"] == "verify_unavailable"
+    assert time.monotonic() - t0 < 10

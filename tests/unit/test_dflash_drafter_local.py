@@ -146,3 +146,34 @@ def test_batch_proposals_equal_single_and_keys_read_are_counted():
     assert proposer.pop_keys_read() == {}
     in_force, declared, source = proposer.attention_policy()
     assert in_force == declared == [("sliding", 3), ("full", None)] and source == "checkpoint"
+
+
+@pytest.mark.parametrize("block", [3, 6])
+def test_offline_figures_equal_the_step_loop(block):
+    """bench's offline measurement (from the greedy output alone) equals the real loop."""
+    from bench.drafter import offline_commit_len
+
+    model, engine, proposer = _setup(2, block=6)
+    prompts = [[5, 9, 14, 3, 7], [40, 41, 42, 43, 44, 45, 46, 47]]
+    for max_tokens in (9, 30):
+        online = measure_commit_len(engine, proposer, prompts, max_tokens, block, {2})
+        offline = offline_commit_len(model, proposer.drafter, prompts, max_tokens, block, {2})
+        for key in ("steps", "draft_tokens", "accepted_drafts", "mean_commit_len", "tokens"):
+            assert offline[key] == online[key], key
+
+
+def test_shipped_default_drafter_loads_strictly():
+    from torch import nn
+
+    from splitflash.models.dflash import load_dflash
+    from splitflash.services.draft.dflash_drafter import default_drafter_path
+
+    path = default_drafter_path("smollm2-135m")
+    assert (path / "model.safetensors").stat().st_size <= 25 * 2**20
+    embed = nn.Embedding(49152, 576)  # SmolLM2-135M shapes: the real weights are not needed
+    drafter = load_dflash(path, embed, embed.weight, 30)
+    cfg = drafter.config
+    assert cfg.block_size == 16 and cfg.target_layer_ids == (2, 8, 14, 21, 27)
+    assert [p.kind for p in drafter.policy] == ["sliding", "sliding", "full"]
+    with pytest.raises(ValueError, match="no shipped"):
+        default_drafter_path("qwen3-8b")

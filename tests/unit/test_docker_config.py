@@ -65,7 +65,7 @@ def test_compose_services_ports_gpu_and_cpu_profiles() -> None:
     assert "8000:8000" in services["gateway"]["ports"]
     assert "9090:9090" in services["prometheus"]["ports"]
     assert "3000:3000" in services["grafana"]["ports"]
-    workers = (("verify", {"5555"}, "9102"), ("draft", {"5556", "5557"}, "9101"))
+    workers = (("verify", {"5555"}, "9102"), ("draft", {"5556"}, "9101"))
     for name, zmq_ports, metrics_port in workers:
         gpu, cpu = services[name], services[f"{name}-cpu"]
         devices = gpu["deploy"]["resources"]["reservations"]["devices"]
@@ -75,10 +75,11 @@ def test_compose_services_ports_gpu_and_cpu_profiles() -> None:
         assert cpu["networks"]["default"]["aliases"] == [name]
         for svc, device in ((gpu, "cuda"), (cpu, "cpu")):
             env = svc["environment"]
-            assert env["SPLITFLASH_SERVICE"] == name and env["SPLITFLASH_DEVICE"] == device
-            assert env["SPLITFLASH_METRICS_PORT"] == metrics_port
-            assert env["SPLITFLASH_VERIFY_ADDRS"] == "tcp://verify:5555"
-            assert env["SPLITFLASH_DRAFT_ADDRS"] == "tcp://draft:5556"
+            prefix = f"SPLITFLASH_{name.upper()}_"
+            assert env["SPLITFLASH_SERVICE"] == name and env[prefix + "DEVICE"] == device
+            assert env[prefix + "METRICS_PORT"] == metrics_port
+            assert env[prefix + "METRICS_HOST"] == "0.0.0.0"
+            assert env[prefix + "BIND"].startswith("tcp://0.0.0.0:")
             assert env["SPLITFLASH_CACHE"] == "/models" and "models:/models" in svc["volumes"]
             assert zmq_ports | {metrics_port} <= set(svc["expose"])
             assert "ports" not in svc  # published ports would stop `--scale`
@@ -95,10 +96,10 @@ def test_dockerfiles_run_as_non_root_with_healthchecks() -> None:
     gateway = (DOCKER / "gateway.Dockerfile").read_text()
     worker = (DOCKER / "worker.Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim", gateway, re.M)
-    assert 'CMD ["splitflash", "serve", "gateway"]' in gateway
+    assert "exec splitflash serve gateway" in gateway
     assert "/health" in gateway and "HEALTHCHECK" in gateway
     assert re.search(r"^ARG VARIANT=cuda", worker, re.M) and "FROM base-${VARIANT}" in worker
-    assert 'splitflash health "$SPLITFLASH_SERVICE"' in worker
+    assert 'splitflash health "$SPLITFLASH_SERVICE"' in worker  # --addr: its own bind
     assert 'exec splitflash serve \\"$SPLITFLASH_SERVICE\\"' in worker
     for text in (gateway, worker):
         users = re.findall(r"^USER (\S+)", text, re.M)
@@ -259,3 +260,34 @@ def test_every_queried_metric_and_label_exists() -> None:
     shown = used | {n.removesuffix(s) for n in used for s in suffixes if n.endswith(s)}
     unshown = {PREFIX + m for m in METRICS} - shown
     assert not unshown, f"metrics on no dashboard or alert: {sorted(unshown)}"
+
+
+def test_every_service_variable_in_compose_is_a_settings_field() -> None:
+    """SPLITFLASH_<SERVICE>_<FIELD> must name a real field, or the setting is silently lost."""
+    import dataclasses
+
+    from splitflash.services.draft.config import DraftSettings
+    from splitflash.services.gateway.config import GatewaySettings
+    from splitflash.services.verify.config import VerifySettings
+
+    fields = {
+        prefix: {f.name.upper() for f in dataclasses.fields(cls)}
+        for prefix, cls in (
+            ("SPLITFLASH_GATEWAY_", GatewaySettings),
+            ("SPLITFLASH_VERIFY_", VerifySettings),
+            ("SPLITFLASH_DRAFT_", DraftSettings),
+        )
+    }
+    general = {"SPLITFLASH_CACHE", "SPLITFLASH_SERVICE", "SPLITFLASH_TARGET"}
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    seen = 0
+    for svc in services.values():
+        for var in svc.get("environment", {}):
+            if not var.startswith("SPLITFLASH_") or var in general:
+                continue
+            prefix = next((p for p in fields if var.startswith(p)), None)
+            assert prefix is not None, f"{var} belongs to no service"
+            field = var.removeprefix(prefix).removesuffix("_FILE")
+            assert field in fields[prefix] or var.removeprefix(prefix) in fields[prefix], var
+            seen += 1
+    assert seen >= 10

@@ -74,3 +74,11 @@ def test_training_lowers_the_loss_and_exports(tmp_path):
     for name, w in trainer.drafter.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], w.bfloat16().float(), msg=name)
     assert next(trainer.drafter.parameters()).dtype == torch.float32  # master copy kept
+
+
+def test_time_budget_plans_steps_that_fit():
+    from splitflash.training.trainer import plan_total
+
+    assert plan_total(30, 10.0, 0.1, 100.0, 4000) == 30 + 900
+    assert plan_total(30, 10.0, 0.01, 100.0, 4000) == 4000  # never past --steps
+    assert plan_total(30, 120.0, 0.1, 100.0, 4000) == 31  # over budget: stop next step

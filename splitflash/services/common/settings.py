@@ -49,3 +49,14 @@ def load_settings(cls: type[T], prefix: str, **overrides: Any) -> T:
             values[field.name] = _parse(os.environ[env_name], hints[field.name], env_name)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**values)
+
+
+def redacted(settings) -> dict[str, Any]:
+    """Settings as a dict fit for logs: secrets (keys, API keys) shown only as set/unset."""
+    out = {}
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if "secret" in field.name or field.name == "api_keys":
+            value = "<set>" if value else "<unset>"
+        out[field.name] = value
+    return out

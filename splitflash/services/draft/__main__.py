@@ -6,12 +6,11 @@ Settings come from SPLITFLASH_DRAFT_* (see config.py); `run(**overrides)` is wha
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import sys
 
-from splitflash.services.common.settings import load_settings
+from splitflash.services.common.settings import load_settings, redacted
 from splitflash.services.draft.config import ENV_PREFIX, DraftSettings
 
 log = logging.getLogger("splitflash.draft")
@@ -29,7 +28,7 @@ def _set_title(title: str) -> None:
 def run(**overrides) -> int:
     settings = load_settings(DraftSettings, ENV_PREFIX, **overrides)
     _set_title(f"splitflash-draft {settings.bind}")
-    log.info("settings: %s", dataclasses.asdict(settings))
+    log.info("settings: %s", redacted(settings))
     from splitflash.services.draft.server import DraftServer
 
     server = DraftServer(settings)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from splitflash.models import store
 from splitflash.models.loading import load_tokenizer
-from splitflash.services.common.settings import load_settings
+from splitflash.services.common.settings import load_settings, redacted
 from splitflash.services.gateway.app import create_app
 from splitflash.services.gateway.config import GatewaySettings
 from splitflash.services.gateway.runtime import GatewayRuntime
@@ -19,11 +18,7 @@ def run(overrides: dict | None = None) -> int:
     import uvicorn
 
     settings = load_settings(GatewaySettings, "SPLITFLASH_GATEWAY_", **(overrides or {}))
-    shown = {  # never log secrets (API keys, inline CURVE secret key)
-        k: ("<set>" if v and ("secret" in k or k == "api_keys") else v)
-        for k, v in dataclasses.asdict(settings).items()
-    }
-    log.info("gateway settings: %s", shown)
+    log.info("gateway settings: %s", redacted(settings))
     tokenizer = load_tokenizer(store.resolve(settings.target))
     app = create_app(GatewayRuntime(settings, tokenizer))
     uvicorn.run(

@@ -6,12 +6,11 @@ Settings come from SPLITFLASH_VERIFY_* (see config.py); `run(**overrides)` is wh
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import sys
 
-from splitflash.services.common.settings import load_settings
+from splitflash.services.common.settings import load_settings, redacted
 from splitflash.services.verify.config import ENV_PREFIX, VerifySettings
 
 log = logging.getLogger("splitflash.verify")
@@ -29,7 +28,7 @@ def _set_title(title: str) -> None:
 def run(**overrides) -> int:
     settings = load_settings(VerifySettings, ENV_PREFIX, **overrides)
     _set_title(f"splitflash-verify {settings.bind}")
-    log.info("settings: %s", dataclasses.asdict(settings))
+    log.info("settings: %s", redacted(settings))
     from splitflash.services.verify.server import VerifyServer
 
     server = VerifyServer(settings)
