@@ -6,7 +6,12 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHES = {"kernels": "bench.kernels", "drafter": "bench.drafter", "ngram": "bench.ngram_cpu"}
+BENCHES = {
+    "kernels": "bench.kernels",
+    "drafter": "bench.drafter",
+    "ngram": "bench.ngram_cpu",
+    "transport": "bench.transport",
+}
 
 
 def register(sub) -> None:
