@@ -6,49 +6,24 @@ Settings come from SPLITFLASH_DRAFT_* (see config.py); `run(**overrides)` is wha
 
 from __future__ import annotations
 
-import logging
-import signal
 import sys
 
-from splitflash.services.common.settings import load_settings, redacted
+from splitflash.services.common.worker_main import configure_logging, run_worker
 from splitflash.services.draft.config import ENV_PREFIX, DraftSettings
 
-log = logging.getLogger("splitflash.draft")
 
+def _server(settings: DraftSettings):
+    from splitflash.services.draft.server import DraftServer  # loads torch and the model
 
-def _set_title(title: str) -> None:
-    """Name the process in ps/top when setproctitle is installed (optional dependency)."""
-    try:
-        import setproctitle
-    except ImportError:
-        return
-    setproctitle.setproctitle(title)
+    return DraftServer(settings)
 
 
 def run(**overrides) -> int:
-    settings = load_settings(DraftSettings, ENV_PREFIX, **overrides)
-    _set_title(f"splitflash-draft {settings.bind}")
-    log.info("settings: %s", redacted(settings))
-    from splitflash.services.draft.server import DraftServer
-
-    server = DraftServer(settings)
-    # The loop checks the flag every 100 ms; the handlers only set it, so a step in flight
-    # finishes and the sockets close cleanly (linger 0) in serve()'s finally.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(
-            sig, lambda signum, _frame: (log.info("signal %d: stopping", signum), server.stop())
-        )
-    server.serve()
-    log.info("draft stopped")
-    return 0
+    return run_worker("draft", DraftSettings, ENV_PREFIX, _server, overrides)
 
 
 def main() -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()
     return run()
 
 

@@ -6,49 +6,24 @@ Settings come from SPLITFLASH_VERIFY_* (see config.py); `run(**overrides)` is wh
 
 from __future__ import annotations
 
-import logging
-import signal
 import sys
 
-from splitflash.services.common.settings import load_settings, redacted
+from splitflash.services.common.worker_main import configure_logging, run_worker
 from splitflash.services.verify.config import ENV_PREFIX, VerifySettings
 
-log = logging.getLogger("splitflash.verify")
 
+def _server(settings: VerifySettings):
+    from splitflash.services.verify.server import VerifyServer  # loads torch and the model
 
-def _set_title(title: str) -> None:
-    """Name the process in ps/top when setproctitle is installed (optional dependency)."""
-    try:
-        import setproctitle
-    except ImportError:
-        return
-    setproctitle.setproctitle(title)
+    return VerifyServer(settings)
 
 
 def run(**overrides) -> int:
-    settings = load_settings(VerifySettings, ENV_PREFIX, **overrides)
-    _set_title(f"splitflash-verify {settings.bind}")
-    log.info("settings: %s", redacted(settings))
-    from splitflash.services.verify.server import VerifyServer
-
-    server = VerifyServer(settings)
-    # The loop checks the flag every 100 ms; the handlers only set it, so a step in flight
-    # finishes and the sockets close cleanly (linger 0) in serve()'s finally.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(
-            sig, lambda signum, _frame: (log.info("signal %d: stopping", signum), server.stop())
-        )
-    server.serve()
-    log.info("verify stopped")
-    return 0
+    return run_worker("verify", VerifySettings, ENV_PREFIX, _server, overrides)
 
 
 def main() -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()
     return run()
 
 
