@@ -155,6 +155,13 @@ def run(args) -> int:
         if name != "draft" or args.drafter != "none"
     ]
     url = f"http://{args.host}:{args.port}"
+
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt  # one shutdown path for Ctrl-C and SIGTERM
+
+    # explicit: a shell starting `up` in the background would leave SIGINT ignored
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     for child in children:
         child.start()
     try:
