@@ -1,60 +1,58 @@
-"""Pooled speculative-decoding statistics (DESIGN.md §4): sums, never averages of averages."""
+"""Pooled speculative-decoding statistics of one request or one run (DESIGN.md §4).
+
+A mutable accumulator over `metric_math.SpecTotals`, so responses, the CLI and the
+dashboards share one implementation of the pooled math (sums, never averages of averages).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from splitflash.services.common.metric_math import (
+    SpecTotals,
+    acceptance_rate,
+    mean_commit_len,
+    per_position_acceptance,
+)
+
 
 @dataclass
 class SpecStats:
-    steps: int = 0
-    draft_tokens: int = 0  # sum K
-    accepted_drafts: int = 0  # sum a
-    committed: int = 0  # sum c
-    truncated_steps: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # steps with a > i
-    drafted_at: list[int] = field(default_factory=list)  # steps that drafted depth i
+    totals: SpecTotals = field(default_factory=SpecTotals)
 
     def record(self, draft_tokens: int, max_depth: int, accepted: int, commit_len: int) -> None:
         """One verify step. max_depth: deepest drafted node (chain: K)."""
-        self.steps += 1
-        self.draft_tokens += draft_tokens
-        self.accepted_drafts += accepted
-        self.committed += commit_len
-        if commit_len < accepted + 1:
-            self.truncated_steps += 1
-        grow = max(max_depth, accepted) - len(self.drafted_at)
-        if grow > 0:
-            self.drafted_at.extend([0] * grow)
-            self.accepted_at.extend([0] * grow)
-        for i in range(max_depth):
-            self.drafted_at[i] += 1
-        for i in range(accepted):
-            self.accepted_at[i] += 1
+        self.totals = self.totals.add(draft_tokens, max_depth, accepted, commit_len)
 
     def merge(self, other: SpecStats) -> None:
-        for name in ("steps", "draft_tokens", "accepted_drafts", "committed", "truncated_steps"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("accepted_at", "drafted_at"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, n in enumerate(theirs):
-                mine[i] += n
+        self.totals = self.totals.merge(other.totals)
+
+    @property
+    def steps(self) -> int:
+        return self.totals.steps
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.totals.draft_tokens
+
+    @property
+    def accepted_drafts(self) -> int:
+        return self.totals.accepted_drafts
+
+    @property
+    def committed(self) -> int:
+        return self.totals.committed_tokens
 
     @property
     def mean_commit_len(self) -> float:
-        return self.committed / self.steps if self.steps else 0.0
+        return mean_commit_len(self.totals)
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted_drafts / self.draft_tokens if self.draft_tokens else 0.0
+        return acceptance_rate(self.totals)
 
     def accepted_per_position(self) -> list[float]:
-        """Position i: steps with a > i over steps that drafted a node at depth i."""
-        return [
-            round(acc / drafted, 6) if drafted else 0.0
-            for acc, drafted in zip(self.accepted_at, self.drafted_at, strict=True)
-        ]
+        return [round(v, 6) for v in per_position_acceptance(self.totals)]
 
     def to_dict(self) -> dict:
         return {
