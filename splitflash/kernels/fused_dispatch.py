@@ -1,0 +1,54 @@
+"""Pick the Triton kernel or the torch reference for the fused norm and RoPE + KV-write.
+
+Same rule and logging as `splitflash.kernels.dispatch` (whose helpers are reused): Triton on
+CUDA tensors or with SPLITFLASH_FORCE_TRITON=1, the reference otherwise, the choice logged
+once per (kernel, backend). The kernel modules hold both implementations, so they are
+imported inside the calls: importing this module never touches Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitflash.kernels.dispatch import _announce, use_triton
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., D], x's dtype
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """weight * rmsnorm(x), or (weight * rmsnorm(x + residual), x + residual)."""
+    triton_ok, reason = use_triton(x)
+    if triton_ok:
+        from splitflash.kernels.fused_norm import rms_norm_triton
+
+        _announce("rms_norm", "triton", reason)
+        return rms_norm_triton(x, weight, eps, residual)
+    from splitflash.kernels.fused_norm import rms_norm_ref
+
+    _announce("rms_norm", "torch reference", reason)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rope_kv_write(
+    q: torch.Tensor,  # [N, H, Dh]
+    k: torch.Tensor,  # [N, H_KV, Dh]
+    v: torch.Tensor,  # [N, H_KV, Dh]
+    cos: torch.Tensor,  # [N, 1, Dh]
+    sin: torch.Tensor,  # [N, 1, Dh]
+    k_pages: torch.Tensor,  # [P, S, H_KV, Dh], written in place
+    v_pages: torch.Tensor,  # [P, S, H_KV, Dh], written in place
+    slots: torch.Tensor,  # [N] flat slots
+) -> torch.Tensor:  # rotated q [N, H, Dh]
+    triton_ok, reason = use_triton(q)
+    if triton_ok:
+        from splitflash.kernels.rope_kv import rope_kv_write_triton
+
+        _announce("rope_kv_write", "triton", reason)
+        return rope_kv_write_triton(q, k, v, cos, sin, k_pages, v_pages, slots)
+    from splitflash.kernels.rope_kv import rope_kv_write_ref
+
+    _announce("rope_kv_write", "torch reference", reason)
+    return rope_kv_write_ref(q, k, v, cos, sin, k_pages, v_pages, slots)
