@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo generate clean
+.PHONY: install test test-gpu lint demo generate clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check splitflash tests bench
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests
+
+# On a CUDA machine: the bf16 kernel tests and CUDA-graph tests, compiled for the real GPU
+# (make test runs the kernels in the interpreter, where these skip). Uses the current python.
+test-gpu:
+	$(PY) -m pytest -q -m gpu tests/unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check splitflash tests bench

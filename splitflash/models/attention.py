@@ -28,6 +28,10 @@ class AttentionMeta:
     anc_bits: torch.Tensor | None  # [N] int64 (tree/chain, q_len <= 64) or None = causal
     q_lens: list[int]
     kv_lens_list: list[int]
+    # Upper bound of kv_lens the kernel plans its KV splits for; None = max(kv_lens_list).
+    # Host ints, so the kernel never syncs to read kv_lens. A CUDA graph sets its bucket
+    # here: the split plan is frozen at capture and must cover every length replayed.
+    kv_bound: int | None = None
 
 
 def causal_bits(q_lens: list[int], device=None) -> torch.Tensor:
@@ -85,6 +89,8 @@ class PagedAttention:
         if meta.anc_bits is None and max(meta.q_lens) > MAX_TREE_Q:
             return causal_attention_torch(q, k_pages, v_pages, meta, scale)
         bits = meta.anc_bits if meta.anc_bits is not None else causal_bits(meta.q_lens, q.device)
+        kv_bound = meta.kv_bound if meta.kv_bound is not None else max(meta.kv_lens_list)
         return self._block_attention(
-            q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q, bits, scale
-        )
+            q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q, bits, scale,
+            max_kv_len=kv_bound, max_q_len=max(meta.q_lens),
+        )  # fmt: skip

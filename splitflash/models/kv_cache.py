@@ -37,12 +37,19 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        scratch_pages: int = 0,
     ) -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
+        if num_pages < 1 or page_size < 1 or scratch_pages < 0:
+            raise ValueError(
+                f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1, "
+                f"scratch_pages ({scratch_pages}) >= 0"
+            )
         self.page_size = page_size
         self.num_pages = num_pages
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        # Scratch pages sit past the pool and are never handed out: CUDA-graph padding rows
+        # write their K/V there, so padding never costs a request a page or shows as used.
+        self.scratch_page_ids = list(range(num_pages, num_pages + scratch_pages))
+        shape = (num_layers, num_pages + scratch_pages, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, H_KV, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Stack of free pages, popped from the end: low ids first for a fresh pool.

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitflash.kernels.fused_dispatch import rms_norm, rope_kv_write
 from splitflash.models.attention import AttentionMeta, PagedAttention
 from splitflash.models.config import TargetConfig
 from splitflash.models.kv_cache import PagedKVCache
@@ -66,8 +67,9 @@ class Attention(nn.Module):
         v = v.view(n, self.cfg.num_kv_heads, self.cfg.head_dim)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, slots, k, v)
+        # RoPE on q and k fused with the K/V write into the pages (one kernel on CUDA; on
+        # CPU the reference, bit-equal to apply_rope + cache.write).
+        q = rope_kv_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], slots)
         o = backend(q, cache.k[layer], cache.v[layer], meta, self.cfg.head_dim**-0.5)
         return self.o_proj(o.reshape(n, -1))
 
@@ -158,13 +160,25 @@ class TargetModel(nn.Module):
         x = self.embed_tokens(batch.token_ids)  # [N, D]
         cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         captured: dict[int, torch.Tensor] = {}
+        eps = self.cfg.rms_norm_eps
+        # Each residual add rides in the next RMSNorm (one pass over the hidden state on
+        # CUDA); `pending` is the sublayer output not yet added to x. Same roundings as
+        # x = x + f(norm(x)): the fused add rounds x + f to x's dtype before the norm.
+        pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = x + layer.self_attn(
-                layer.input_layernorm(x), cos, sin, i, cache, batch.slots, batch.meta, self.backend
+            w_in = layer.input_layernorm.weight
+            if pending is None:
+                normed = rms_norm(x, w_in, eps)
+            else:
+                normed, x = rms_norm(pending, w_in, eps, residual=x)
+            attn = layer.self_attn(
+                normed, cos, sin, i, cache, batch.slots, batch.meta, self.backend
             )
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            normed, x = rms_norm(attn, layer.post_attention_layernorm.weight, eps, residual=x)
+            pending = layer.mlp(normed)
             if i in hidden_layer_ids:
-                captured[i] = x
+                captured[i] = x + pending
+        x = x + pending
         rows = x if logits_rows is None else x[logits_rows]
         logits = self.lm_head(self.norm(rows)).float()
         hidden = torch.cat([captured[i] for i in hidden_layer_ids], -1) if captured else None

@@ -20,6 +20,10 @@ class VerifySettings:
     page_size: int = 16
     max_batch: int = 64  # most items in one Prefill/Verify; larger batches are refused
     max_context: int = 0  # 0 = the model's max_position_embeddings
+    # CUDA only: verify/decode steps replay CUDA graphs captured at batch sizes 1, 2, 4, ...
+    # up to graph_max_batch (padded up to the next one); bigger or mixed-length steps run eagerly.
+    cuda_graphs: bool = True
+    graph_max_batch: int = 32
     # Data plane: verify -> draft Features. "" = no link (ngram / speculation off).
     draft_addr: str = "tcp://127.0.0.1:5556"
     draft_name: str = "draft"  # the name PrefillItem.draft_peer must carry to use that link
@@ -41,7 +45,13 @@ class VerifySettings:
     def __post_init__(self) -> None:
         if self.dtype not in ("", *DTYPES):
             raise ValueError(f"dtype must be one of {DTYPES} or empty, got {self.dtype!r}")
-        for name in ("kv_pages", "page_size", "max_batch", "features_chunk_rows"):
+        for name in (
+            "kv_pages",
+            "page_size",
+            "max_batch",
+            "features_chunk_rows",
+            "graph_max_batch",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_context < 0 or not 0 <= self.metrics_port < 65536:
@@ -54,3 +64,11 @@ class VerifySettings:
         if self.dtype:
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        sizes, b = [], 1
+        while b < self.graph_max_batch:
+            sizes.append(b)
+            b *= 2
+        return (*sizes, self.graph_max_batch)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitflash.models.attention import AttentionMeta
+from splitflash.models.graphs import VerifyGraphs
 from splitflash.models.kv_cache import PagedKVCache
 from splitflash.models.target import ForwardBatch, TargetModel
 from splitflash.services.verify.acceptance import (
@@ -64,8 +65,10 @@ class TargetEngine:
         cache: PagedKVCache,
         feature_layer_ids: tuple[int, ...] = (),
         max_context: int | None = None,
+        graphs: VerifyGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs  # CUDA graphs for uniform verify steps; None = always eager
         self.cache = cache
         self.feature_layer_ids = feature_layer_ids
         self.max_context = max_context or model.cfg.max_position_embeddings
@@ -177,7 +180,9 @@ class TargetEngine:
 
     def _verify_spans(self, spans, reports: dict[str, StepReport]) -> None:
         batch = self._batch([(rid, block, start) for rid, block, start, _ in spans])
-        out = self.model(batch, self.cache, None, self.feature_layer_ids)
+        out = None if self.graphs is None else self.graphs.run(batch, self.feature_layer_ids)
+        if out is None:  # no graph fits this step (or none wanted): eager
+            out = self.model(batch, self.cache, None, self.feature_layer_ids)
         lo = 0
         for rid, block, kv_len, max_commit in spans:
             seq = self.seqs[rid]

@@ -7,6 +7,8 @@ import logging
 import torch
 
 from splitflash.models import store
+from splitflash.models.attention import MAX_TREE_Q
+from splitflash.models.graphs import VerifyGraphs
 from splitflash.models.kv_cache import PagedKVCache
 from splitflash.models.loading import load_target
 from splitflash.services.verify.config import VerifySettings
@@ -27,6 +29,7 @@ def load_engine(settings: VerifySettings) -> TargetEngine:
     )
     model = load_target(path, device=settings.device, dtype=dtype)
     cfg = model.cfg
+    graphs_on = settings.cuda_graphs and torch.device(settings.device).type == "cuda"
     cache = PagedKVCache(
         cfg.num_layers,
         settings.kv_pages,
@@ -35,5 +38,11 @@ def load_engine(settings: VerifySettings) -> TargetEngine:
         cfg.head_dim,
         dtype=dtype,
         device=settings.device,
+        scratch_pages=-(-MAX_TREE_Q // settings.page_size) if graphs_on else 0,
     )
-    return TargetEngine(model, cache, max_context=settings.max_context or None)
+    graphs = VerifyGraphs(model, cache, settings.graph_batch_sizes) if graphs_on else None
+    log.info(
+        "verify steps: %s",
+        f"CUDA graphs at batch sizes {settings.graph_batch_sizes}" if graphs else "eager",
+    )
+    return TargetEngine(model, cache, max_context=settings.max_context or None, graphs=graphs)

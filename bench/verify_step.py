@@ -1,0 +1,182 @@
+"""End-to-end verify step of the default model's shape on the GPU: eager vs CUDA graph, against
+the step's bytes floor (issue 5). CUDA only.
+
+The model is SmolLM2-135M's shape (30 layers, D 576, 9 q / 3 kv heads of 64, vocab 49152)
+with random bf16 weights: a step's time depends on shapes, not on weight values, so the real
+GGUF need not travel. A request's KV is filled with random values up to the context length
+instead of a prefill (185k tokens are past the model's trained context anyway). One step =
+TargetEngine._verify_spans' forward: embed, 30 layers, all-row logits and features.
+
+Bytes floor = (weights read once + KV of the context read once) / copy bandwidth measured in
+the same run. Times are medians of CUDA-event timings after warm-up.
+
+    python -m bench.verify_step --json-out verify_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+SMOLLM2 = dict(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+               num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+               rms_norm_eps=1e-5, max_position_embeddings=8192)  # fmt: skip
+FEATURE_LAYERS = (2, 8, 14, 21, 27)  # what the shipped DFlash drafter asks verify for
+
+
+def _median_ms(fn, reps: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _engine(context: int, batch: int, page: int):
+    import torch
+
+    from splitflash.models.config import TargetConfig
+    from splitflash.models.graphs import VerifyGraphs
+    from splitflash.models.kv_cache import PagedKVCache
+    from splitflash.models.target import TargetModel
+    from splitflash.services.verify.engine import TargetEngine
+
+    cfg = TargetConfig(**SMOLLM2)
+    torch.manual_seed(0)
+    model = TargetModel(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.02)
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    pages = 2 * batch * (-(-(context + 2048) // page)) + 8  # bench requests + live ones
+    cache = PagedKVCache(cfg.num_layers, pages, page, cfg.num_kv_heads, cfg.head_dim,
+                         dtype=torch.bfloat16, device="cuda", scratch_pages=64 // page)  # fmt: skip
+    cache.k.normal_()
+    cache.v.normal_()
+    graphs = VerifyGraphs(model, cache, (1, 2, 4, 8, 16, 32))
+    return TargetEngine(model, cache, FEATURE_LAYERS, max_context=1 << 30, graphs=graphs)
+
+
+def _engine_step_ms(engine, batch: int, q_len: int, reps: int) -> float:
+    """Wall time of TargetEngine.verify (host work, forward, acceptance) on live sequences
+    whose KV is the random context: what the verify server spends per step."""
+    import torch
+
+    from splitflash.services.verify.engine import Sequence, VerifyInput
+    from splitflash.services.verify.sampling import Sampling, make_generator
+
+    rids = []
+    for b in range(batch):
+        rid = f"live{b}-{len(engine.seqs)}"
+        ctx = engine.cache.seq(f"r{b}").length or 0
+        engine.cache.add(rid)
+        engine.cache.reserve(rid, ctx)
+        engine.cache.seq(rid).length = ctx
+        engine.seqs[rid] = Sequence(rid, [1] * (ctx + 1), Sampling(), make_generator(None),
+                                    frozenset())  # fmt: skip
+        rids.append(rid)
+    times = []
+    for i in range(reps + 3):
+        items = [VerifyInput(r, len(engine.seqs[r].tokens), [7] * (q_len - 1), 1 << 30)
+                 for r in rids]  # fmt: skip
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.verify(items)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t) * 1e3)
+    for r in rids:
+        engine.release(r)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(context: int, batch: int, q_len: int, copy_gbps: float, reps: int, page: int = 16):
+    """One row: eager and graphed step times at `context` keys per request."""
+    import torch
+
+    engine = _engine(context, batch, page)
+    cfg, cache = engine.model.cfg, engine.cache
+    spans = []
+    for b in range(batch):
+        rid = f"r{b}"
+        cache.add(rid)
+        cache.reserve(rid, context + q_len)
+        cache.seq(rid).length = context  # the random KV stands for `context` tokens
+        spans.append((rid, [b + 1] * q_len, context))  # q_len new tokens after the context
+    batch_in = engine._batch(spans)
+    ids = engine.feature_layer_ids
+    with torch.inference_mode():
+        eager_ms = _median_ms(lambda: engine.model(batch_in, cache, None, ids), reps)
+        engine.graphs.run(batch_in, ids)  # capture
+        graph_ms = _median_ms(lambda: engine.graphs.run(batch_in, ids), reps)
+        entry = next(iter(engine.graphs._graphs.values()))
+        replay_ms = _median_ms(entry.graph.replay, reps) if entry.graph else float("nan")
+        step_ms = _engine_step_ms(engine, batch, q_len, reps)
+        saved, engine.graphs = engine.graphs, None
+        eager_step_ms = _engine_step_ms(engine, batch, q_len, reps)
+        engine.graphs = saved
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv_bytes = batch * context * cfg.kv_bytes_per_token(2)
+    floor_ms = (weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e3
+    row = dict(context=context, batch=batch, q_len=q_len, eager_ms=eager_ms, graph_ms=graph_ms,
+               replay_ms=replay_ms, step_ms=step_ms, eager_step_ms=eager_step_ms,
+               weight_mb=weight_bytes / 1e6, kv_mb=kv_bytes / 1e6,
+               floor_ms=floor_ms, graph_over_floor=graph_ms / floor_ms)  # fmt: skip
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from bench.kernels import measure_copy_gbps
+
+    p = argparse.ArgumentParser(prog="python -m bench.verify_step", description=__doc__)
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 185_000])
+    p.add_argument("--batches", type=int, nargs="+", default=[1])
+    p.add_argument("--q-lens", type=int, nargs="+", default=[16, 1])
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.verify_step needs a CUDA GPU")
+    t0 = time.perf_counter()
+    copy = measure_copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s", flush=True)
+    rows = []
+    for ctx in args.contexts:
+        for b in args.batches:
+            for q in args.q_lens:
+                r = measure(ctx, b, q, copy, args.reps)
+                torch.cuda.empty_cache()  # the last engine's KV pool is garbage now
+                rows.append(r)
+                print(f"[{time.perf_counter() - t0:6.1f}s] ctx {ctx} B {b} q {q}: eager "
+                      f"{r['eager_ms']:.3f} ms, graph {r['graph_ms']:.3f} ms (replay "
+                      f"{r['replay_ms']:.3f}), floor {r['floor_ms']:.3f} ms -> "
+                      f"{r['graph_over_floor']:.2f}x floor; engine.verify {r['step_ms']:.3f} ms "
+                      f"(eager {r['eager_step_ms']:.3f})", flush=True)  # fmt: skip
+    print(
+        " context  B   q   eager ms   graph ms  replay ms   floor ms  graph/floor"
+        "  verify() ms  eager verify() ms"
+    )
+    for r in rows:
+        print(f"{r['context']:>8} {r['batch']:>2} {r['q_len']:>3} {r['eager_ms']:>10.3f} "
+              f"{r['graph_ms']:>10.3f} {r['replay_ms']:>10.3f} {r['floor_ms']:>10.3f} "
+              f"{r['graph_over_floor']:>11.2f} {r['step_ms']:>12.3f} "
+              f"{r['eager_step_ms']:>18.3f}")  # fmt: skip
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"copy_gbps": copy, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
