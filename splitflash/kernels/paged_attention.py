@@ -1,11 +1,14 @@
 """Triton paged verify/decode attention: split-KV flash-decoding with a reduction pass.
 
-Grid: (num_splits, B * m_tiles, H_KV). One program owns one request, one KV head, one tile of
-BLOCK_M query rows and one contiguous range of keys. Rows are (query, group head) pairs
-flattened as r = i * G + g, so every query head sharing a KV head reads that K/V tile once
-(GQA). Keys are addressed per token through the page table, so any page size works. The
-ancestor mask is computed from anc_bits for keys of the drafted block (the last q_len keys);
-prefix keys are never masked. Softmax statistics and accumulation are fp32.
+Grid: (num_splits * m_tiles, B, H_KV), the row tile fastest: the m_tiles programs that read
+the same key range launch side by side, so their K/V re-reads hit L2. One program owns one
+request, one KV head, one tile of BLOCK_M query rows and one contiguous range of keys. Rows
+are (query, group head) pairs flattened as r = i * G + g, so every query head sharing a KV
+head reads that K/V tile once (GQA). Keys are addressed per token through the page table,
+so any page size works. The ancestor mask is computed from anc_bits for keys of the drafted
+block (the last q_len keys); prefix keys are never masked: full prefix tiles run with no
+mask at all, only the one partial tile where a split's prefix range ends checks bounds.
+Softmax statistics and accumulation are fp32.
 """
 
 from __future__ import annotations
@@ -16,23 +19,21 @@ import torch
 import triton
 import triton.language as tl
 
-from splitflash.kernels.online_softmax import attend_tile
+from splitflash.kernels.online_softmax import attend_tile, attend_tile_full
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, check_paged_inputs
 from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
-    INTERPRETER_CONFIG,
+    autotune_prune,
     autotuned,
     config_set_for,
-    device_facts,
     interpreter_active,
     kv_bucket,
     next_pow2,
-    plan_splits,
+    plan_launch,
     q_bucket,
 )
 
 _LOG2E = 1.4426950408889634
-_INTERPRETER_SMS = 4  # pretend SM count so interpreter runs exercise several splits
 
 
 @triton.jit
@@ -43,7 +44,7 @@ def _load_kv_tile(
     UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Token positions t [BLOCK_N] from n0 and their K, V [BLOCK_N, BLOCK_D] (zeros past end),
-    read through the request's page-table row pages_ptr."""
+    read through the request's page-table row pages_ptr. For partial tiles."""
     t = n0 + tl.arange(0, BLOCK_N)
     t_ok = t < end
     page = tl.load(pages_ptr + t // PAGE, mask=t_ok, other=0).to(tl.int64)
@@ -61,6 +62,40 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _page_ids(pages_ptr, t, last_page, PAGE: tl.constexpr):
+    """Physical page [BLOCK_N] int64 of token positions t; indices past last_page are
+    clamped to it, so a look-ahead past the range reads a valid entry and needs no mask."""
+    return tl.load(pages_ptr + tl.minimum(t // PAGE, last_page)).to(tl.int64)
+
+
+@triton.jit
+def _load_kv_full(
+    k_ptr, v_ptr, page, t, kv_head,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    PAGE: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """K, V [BLOCK_N, BLOCK_D] of a full tile: positions t [BLOCK_N] all in range, their
+    pages [BLOCK_N] already known. No bound checks (only the head dim when D < BLOCK_D)."""
+    slot = t % PAGE
+    offs_d = tl.arange(0, BLOCK_D)
+    k_off = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
+    v_off = page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :]
+    if BLOCK_D == D:
+        k = tl.load(k_ptr + k_off + kv_head * stride_kh)
+        v = tl.load(v_ptr + v_off + kv_head * stride_vh)
+    else:
+        d_ok = (offs_d < D)[None, :]
+        k = tl.load(k_ptr + k_off + kv_head * stride_kh, mask=d_ok, other=0.0)
+        v = tl.load(v_ptr + v_off + kv_head * stride_vh, mask=d_ok, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+# Ints that vary per call but not per compiled kernel (autotune keys, grid shape): not
+# specialized, so e.g. 4 vs 16 splits do not compile two binaries.
+@triton.jit(do_not_specialize=["num_splits", "m_tiles", "KV_BUCKET", "Q_BUCKET", "CC"])
 def _paged_attn_kernel(
     q_ptr,  # [N, H, D]
     k_ptr,  # [P, S, H_KV, D]
@@ -82,9 +117,9 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
 ):  # fmt: skip
-    split = tl.program_id(0)
-    b = tl.program_id(1) // m_tiles
-    m_tile = tl.program_id(1) % m_tiles
+    split = tl.program_id(0) // m_tiles
+    m_tile = tl.program_id(0) % m_tiles
+    b = tl.program_id(1)
     kv_head = tl.program_id(2)
     q0 = tl.load(cu_q_ptr + b).to(tl.int32)
     q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q0
@@ -92,6 +127,7 @@ def _paged_attn_kernel(
         return  # this request has fewer rows than the widest one in the batch
     kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
     prefix = kv_len - q_len
+    pages_ptr = page_table_ptr + b * max_pages
 
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     qi = rows // G
@@ -108,22 +144,40 @@ def _paged_attn_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile stays nan-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start = split * split_len
+    start = split * split_len  # a multiple of SPLIT_ALIGN, so of BLOCK_N: tiles stay aligned
     end = tl.minimum(start + split_len, kv_len)
-    # Prefix keys: visible to every row, no mask work beyond the range check.
-    for n0 in range(start, tl.minimum(end, prefix), BLOCK_N):
+    p_end = tl.minimum(end, prefix)  # this split's prefix keys are [start, p_end)
+    full_end = start + tl.maximum(p_end - start, 0) // BLOCK_N * BLOCK_N
+    # Full prefix tiles: every key visible to every row, no bound checks (the hot loop).
+    # The page ids of the NEXT tile are loaded one iteration ahead and carried: with the
+    # page load feeding the K/V addresses inside one iteration, Triton's pipeliner spends a
+    # stage on it and only double-buffers K/V, waiting for all copies every iteration (no
+    # overlap of loads and math); carried, K/V get num_stages buffers.
+    last_page = tl.maximum(p_end - 1, 0) // PAGE
+    page = _page_ids(pages_ptr, start + tl.arange(0, BLOCK_N), last_page, PAGE)  # [BLOCK_N]
+    for n0 in range(start, full_end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        k, v = _load_kv_full(
+            k_ptr, v_ptr, page, t, kv_head,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            PAGE, BLOCK_D, D, UPCAST,
+        )  # fmt: skip
+        page = _page_ids(pages_ptr, t + BLOCK_N, last_page, PAGE)
+        m_i, l_i, acc = attend_tile_full(q, k, v, m_i, l_i, acc, qk_scale, DOT_IEEE)
+    # At most one partial prefix tile, where the prefix ends inside this split.
+    if full_end < p_end:
         t, k, v = _load_kv_tile(
-            k_ptr, v_ptr, page_table_ptr + b * max_pages, n0, tl.minimum(end, prefix), kv_head,
+            k_ptr, v_ptr, pages_ptr, full_end, p_end, kv_head,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
         )  # fmt: skip
-        visible = (t < tl.minimum(end, prefix))[None, :]
+        visible = (t < p_end)[None, :]
         m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
     # Block keys (at most 64, so at most a tile or two): ancestor mask. Node j = t - prefix
     # is visible to a row iff bit j of the row's anc_bits is set.
     for n0 in range(tl.maximum(start, prefix), end, BLOCK_N):
         t, k, v = _load_kv_tile(
-            k_ptr, v_ptr, page_table_ptr + b * max_pages, n0, end, kv_head,
+            k_ptr, v_ptr, pages_ptr, n0, end, kv_head,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
         )  # fmt: skip
@@ -149,7 +203,7 @@ def _paged_attn_kernel(
 def _tuned_kernel(set_name: str):
     # CC is in the key as well as in the set choice: one process may drive mixed GPUs.
     key = ["KV_BUCKET", "Q_BUCKET", "CC", "D", "G", "PAGE", "BLOCK_M", "DIRECT_OUT"]
-    return autotuned(_paged_attn_kernel, set_name, key)
+    return autotuned(_paged_attn_kernel, set_name, key, prune=autotune_prune)
 
 
 def paged_attention_triton(
@@ -165,10 +219,13 @@ def paged_attention_triton(
     max_kv_len: int | None = None,
     max_q_len: int | None = None,
     num_splits: int | None = None,
+    waves: float | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:  # [N, H, D]
     """Same contract as paged_attention_ref. max_kv_len / max_q_len are upper bounds the
-    caller usually knows (scheduler); passing them avoids a device->host sync. num_splits
-    overrides the split heuristic (tests, benchmarks)."""
+    caller usually knows (scheduler); passing them avoids a device->host sync. Overrides for
+    tests and sweeps: num_splits (split count), waves (programs per SM, see plan_splits),
+    config = (BLOCK_N, num_warps, num_stages) instead of autotuning."""
     group = check_paged_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits)
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         raise ValueError("k_pages / v_pages must be contiguous in the head dim")
@@ -187,42 +244,36 @@ def paged_attention_triton(
     if not 1 <= max_q_len <= MAX_Q_LEN:
         raise ValueError(f"q_len must be in 1..{MAX_Q_LEN}, got max {max_q_len}")
 
-    interp = interpreter_active()
-    if interp or not q.is_cuda:
-        cap, sm_count = (0, 0), _INTERPRETER_SMS
-    else:
-        cap, sm_count = device_facts(q.device.index or 0)
-    # Rows per tile: all (query, group head) rows of a request up to 64; more rows take
-    # more tiles (64 x D fp32 accumulators is what fits registers at 4 warps).
-    block_m = min(max(16, next_pow2(max_q_len * group)), 64)
-    m_tiles = -(-max_q_len * group // block_m)
-    plan = plan_splits(max_kv_len, n_req * m_tiles * n_kv_heads, sm_count, num_splits)
-    direct = plan.num_splits == 1
+    lp = plan_launch(q.device, max_q_len * group, max_q_len, n_req, n_kv_heads, max_kv_len,
+                     config=config, num_splits=num_splits, waves=waves)  # fmt: skip
+    n_splits = lp.splits.num_splits
+    direct = n_splits == 1
     if direct:
         part_out = part_lse = out  # unused by the kernel
     else:
-        part_out = torch.empty(n_rows, n_heads, plan.num_splits, head_dim,
+        part_out = torch.empty(n_rows, n_heads, n_splits, head_dim,
                                device=q.device, dtype=torch.float32)  # fmt: skip
-        part_lse = torch.empty(n_rows, n_heads, plan.num_splits,
-                               device=q.device, dtype=torch.float32)  # fmt: skip
-    upcast = interp or q.dtype == torch.float32
+        part_lse = torch.empty(n_rows, n_heads, n_splits, device=q.device, dtype=torch.float32)
+    upcast = interpreter_active() or q.dtype == torch.float32
+    cap = lp.capability
     args = (
         q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, out, part_out, part_lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
-        page_table.shape[1], plan.split_len, plan.num_splits, m_tiles,
+        page_table.shape[1], lp.splits.split_len, n_splits, lp.m_tiles,
         kv_bucket(max_kv_len), q_bucket(max_q_len), cap[0] * 10 + cap[1],
     )  # fmt: skip
     meta = dict(
-        H=n_heads, G=group, D=head_dim, PAGE=page_size, BLOCK_M=block_m,
+        H=n_heads, G=group, D=head_dim, PAGE=page_size, BLOCK_M=lp.block_m,
         BLOCK_D=max(16, next_pow2(head_dim)), DIRECT_OUT=direct, UPCAST=upcast,
         DOT_IEEE=upcast,
     )  # fmt: skip
-    grid = (plan.num_splits, n_req * m_tiles, n_kv_heads)
-    if interp:
-        block_n, warps, stages = INTERPRETER_CONFIG
+    # Row tile fastest (see module docstring): programs sharing a key range run together.
+    grid = (n_splits * lp.m_tiles, n_req, n_kv_heads)
+    if lp.config is not None:
+        block_n, warps, stages = lp.config
         _paged_attn_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
                                  num_stages=stages)  # fmt: skip
     else:

@@ -20,12 +20,26 @@ from functools import lru_cache
 # (BLOCK_N, num_warps, num_stages): BLOCK_N = keys per inner-loop tile.
 _TileConfig = tuple[int, int, int]
 
+# Hopper (sm_90, 228 KiB smem/SM, 64K registers/SM). One K+V stage is BLOCK_N * D * 4 bytes
+# (32 KiB at BLOCK_N 64, D 128, bf16). Offline sm_90a compiles of the paged kernel with
+# triton 3.6 (G 4, D 128, bf16; registers/thread, smem -> programs per SM):
+#   64-row tiles:  (64, 4, 3) 212 regs, 112 KiB -> 2/SM;  (64, 4, 4) 144 KiB -> 1/SM
+#                  (32, 4, 3) 168 regs, 64 KiB -> 3/SM;   (32, 4, 4) 80 KiB -> 2/SM
+#                  (64, 8, 3) 172 regs x 256 threads -> 1/SM; (32, 8, 3) 121 regs -> 2/SM
+#   128-row tiles: (64, 8, 3) 198 regs, 128 KiB; (64, 8, 4) 160 KiB; (32, 8, 3) 157 regs,
+#                  80 KiB: 1/SM each. At 4 warps they spill (568 B of stack).
+#   BLOCK_N 128 spills at 4 warps and needs 208-224 KiB at 8: left out.
+# num_stages s keeps s - 1 K/V tiles in flight per program (s = 2: load, then wait for it).
+# (64, 4, 2) stays first: draft_attention launches the first entry when it must not autotune.
 HOPPER_CONFIGS: tuple[_TileConfig, ...] = (
     (64, 4, 2),
     (64, 4, 3),
-    (128, 4, 2),
-    (128, 8, 3),
+    (64, 4, 4),
+    (32, 4, 3),
     (32, 4, 4),
+    (64, 8, 3),  # 8 warps: the candidates for 128-row tiles (q_len 64), see pick_block_m
+    (64, 8, 4),
+    (32, 8, 3),
 )
 
 # Reasoned from the hardware, not measured (see module docstring).
@@ -72,8 +86,9 @@ def config_set_for(capability: tuple[int, int]) -> str:
     return {9: "hopper", 10: "blackwell_dc", 12: "blackwell_rtx"}.get(capability[0], "generic")
 
 
-def autotuned(kernel, set_name: str, key: list[str]):
-    """kernel wrapped in Triton's autotuner over one architecture's config set."""
+def autotuned(kernel, set_name: str, key: list[str], prune=None):
+    """kernel wrapped in Triton's autotuner over one architecture's config set. prune:
+    optional early_config_prune(configs, named_args, **meta) -> configs."""
     import triton
 
     return triton.autotune(
@@ -82,7 +97,34 @@ def autotuned(kernel, set_name: str, key: list[str]):
             for n, w, s in CONFIG_SETS[set_name]
         ],
         key=key,
+        prune_configs_by={"early_config_prune": prune} if prune else None,
     )(kernel)
+
+
+# Tiles of 128 query rows need 8 warps: a [128, 128] fp32 accumulator is 64 registers per
+# thread at 256 threads but 128 at 4 warps (spills). Set to a huge value to disable them.
+WIDE_M_MIN_ROWS = 128
+WIDE_M_MIN_WARPS = 8
+# Config sets whose autotuning may use 128-row tiles: Hopper only, where the 8-warp configs
+# were checked to fit (the Blackwell sets are unmeasured; (128, 8, 4) there would not fit).
+WIDE_M_SETS = ("hopper",)
+
+
+def pick_block_m(rows: int, wide_ok: bool) -> int:
+    """Query rows per program tile for a request with `rows` (query, group head) rows: all
+    of them up to 64; 128 for >= WIDE_M_MIN_ROWS rows when an 8-warp config runs the launch
+    (wide_ok). 128-row tiles halve the K/V re-reads and per-tile overhead of q_len 64 x G 4."""
+    if wide_ok and rows >= WIDE_M_MIN_ROWS:
+        return 128
+    return min(max(16, next_pow2(rows)), 64)
+
+
+def autotune_prune(configs, named_args, **meta):
+    """early_config_prune for the attention kernels: 128-row tiles only with 8-warp configs."""
+    if meta.get("BLOCK_M", 0) >= 128:
+        wide = [c for c in configs if c.num_warps >= WIDE_M_MIN_WARPS]
+        return wide or configs
+    return configs
 
 
 @lru_cache(maxsize=16)
@@ -114,21 +156,91 @@ class SplitPlan:
     split_len: int  # keys per split, a multiple of SPLIT_ALIGN
 
 
+# Default `waves` (programs per SM, see plan_splits) per q_len bucket, REASONED for the bench
+# shape (G 4, D 128, bf16) on Hopper, to be replaced by the kernel_sweep optimum:
+# - q 1 (16-row tiles): None = the legacy rule, measured at 0.93-0.97 of copy bandwidth.
+# - q 2..16 (<= 64-row tiles): 2. The likely 64-row configs fit 2 programs per SM (see
+#   HOPPER_CONFIGS), so the launch is exactly one resident wave, no tail (the legacy rule
+#   launched 320 programs for 264 slots at batch 8: a 56-program second wave).
+# - q 17..64 (128-row tiles at q 32+, 8 warps): 1. One 256-thread program per SM.
+DEFAULT_WAVES: dict[int, float | None] = {1: None, 16: 2.0, 64: 1.0}
+
+
+def default_waves(max_q_len: int) -> float | None:
+    """DEFAULT_WAVES entry of the smallest bucket >= max_q_len (the largest past the end)."""
+    for bucket in sorted(DEFAULT_WAVES):
+        if max_q_len <= bucket:
+            return DEFAULT_WAVES[bucket]
+    return DEFAULT_WAVES[max(DEFAULT_WAVES)]
+
+
 def plan_splits(
-    max_kv_len: int, base_programs: int, sm_count: int, num_splits: int | None = None
+    max_kv_len: int,
+    base_programs: int,
+    sm_count: int,
+    num_splits: int | None = None,
+    waves: float | None = None,
 ) -> SplitPlan:
     """Choose how many KV splits to launch.
 
     Decode has few (request, head) programs and long KV: without splitting, a handful of SMs
-    would stream all the KV while the rest idle. Aim for ~2 waves of programs, but never
-    split below SPLIT_ALIGN keys (the combine pass would cost more than it saves).
+    would stream all the KV while the rest idle. Never split below SPLIT_ALIGN keys (the
+    combine pass would cost more than it saves). num_splits (if given) wins; else
+    - waves None (default): the legacy rule, ~2 programs per SM rounded UP (used by the
+      drafter and q_len 1, measured there);
+    - waves w: at most w programs per SM (rounded DOWN, at least one split), so when w
+      programs fit on an SM at once the whole launch is one wave with no tail.
     """
     max_kv_len = max(1, int(max_kv_len))
     max_splits = -(-max_kv_len // SPLIT_ALIGN)
+    base_programs = max(1, int(base_programs))
     if num_splits is None:
-        want = -(-2 * sm_count // max(1, base_programs))
-        num_splits = want
+        if waves is None:
+            num_splits = -(-2 * sm_count // base_programs)
+        else:
+            num_splits = int(float(waves) * sm_count // base_programs)
     num_splits = max(1, min(int(num_splits), max_splits))
     split_len = -(-max_kv_len // num_splits)
     split_len = -(-split_len // SPLIT_ALIGN) * SPLIT_ALIGN
     return SplitPlan(num_splits=-(-max_kv_len // split_len), split_len=split_len)
+
+
+# Pretend SM count off-GPU, so interpreter runs exercise several splits.
+_INTERPRETER_SMS = 4
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    capability: tuple[int, int]  # (0, 0): interpreter / CPU
+    config: _TileConfig | None  # (BLOCK_N, warps, stages); None: autotune
+    block_m: int  # query rows per program
+    m_tiles: int  # row tiles per request
+    splits: SplitPlan
+
+
+def plan_launch(
+    device, rows: int, max_q_len: int, n_req: int, n_kv_heads: int, max_kv_len: int, *,
+    config: _TileConfig | None = None, num_splits: int | None = None,
+    waves: float | None = None,
+) -> LaunchPlan:  # fmt: skip
+    """Tile shape and split count of one paged-attention launch (device: a torch.device;
+    rows = max_q_len * G). paged_attention_triton's own planning, public so benchmarks label
+    what they time. waves None: default_waves(max_q_len)."""
+    interp = interpreter_active()
+    if interp or device.type != "cuda":
+        cap, sm_count = (0, 0), _INTERPRETER_SMS
+    else:
+        cap, sm_count = device_facts(device.index or 0)
+    if config is None and interp:
+        config = INTERPRETER_CONFIG
+    if config is not None:
+        config = tuple(config)
+        wide_ok = config[1] >= WIDE_M_MIN_WARPS
+    else:  # autotuning: autotune_prune keeps only 8-warp configs for 128-row tiles
+        wide_ok = config_set_for(cap) in WIDE_M_SETS
+    block_m = pick_block_m(rows, wide_ok)
+    m_tiles = -(-rows // block_m)
+    if waves is None:
+        waves = default_waves(max_q_len)
+    splits = plan_splits(max_kv_len, n_req * m_tiles * n_kv_heads, sm_count, num_splits, waves)
+    return LaunchPlan(cap, config, block_m, m_tiles, splits)
