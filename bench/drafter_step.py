@@ -5,11 +5,12 @@ window_override="off", so the checkpoint's sliding layers read the whole context
 the drafter state with L positions of random target features (untimed), then times:
 - step: one `draft_batch` call, the forward that drafts a whole block (as DFlashProposer
   runs it, without the argmax), median over --reps after warm-up;
-- attn: in-step attention time of each layer (the model's attention backend, torch
-  `block_attention`, bracketed with CUDA events), summed over the checkpoint's sliding
-  layers and over its full layers;
-- kern: the Triton `draft_attention` kernel (not wired into DFlashDrafter yet) on the same
-  cache tensors and shapes each layer uses, GPU time in a CUDA graph, and the keys it reads
+- attn: in-step attention time of each layer (the drafter's own attention backend: the
+  Triton kernel on CUDA, torch `block_attention` on CPU; bracketed with CUDA events, so
+  eager launch overhead included), summed over the checkpoint's sliding layers and over
+  its full layers;
+- kern: the Triton `draft_attention` kernel alone on the same cache tensors and shapes each
+  layer uses, GPU time in a CUDA graph, and the keys it reads
   (the torch reference, eager, on CPU);
 - keys: context keys read per layer, as the state counts them (`keys_read_by_kind`).
 step and attn run eagerly, as served (draft_batch builds tensors from Python lists: no CUDA
@@ -39,7 +40,11 @@ from torch import nn
 
 from splitflash.kernels.dispatch import draft_attention
 from splitflash.models.dflash import DFlashConfig, load_dflash
-from splitflash.models.dflash.cache import AttentionBackend, block_attention
+from splitflash.models.dflash.cache import (
+    AttentionBackend,
+    block_attention,
+    triton_block_attention,
+)
 from splitflash.models.dflash.config import SLIDING
 
 ASSET = Path(__file__).resolve().parents[1] / "splitflash/assets/drafters/smollm2-135m-dflash"
@@ -76,12 +81,13 @@ class TimedAttention:
 
     def __init__(self, clock: Clock) -> None:
         self.clock, self.on, self.marks = clock, False, []
+        self.fn = block_attention  # build() picks the device's backend
 
     def __call__(self, *args):
         if not self.on:
-            return block_attention(*args)
+            return self.fn(*args)
         start = self.clock.mark()
-        out = block_attention(*args)
+        out = self.fn(*args)
         self.marks.append((start, self.clock.mark()))
         return out
 
@@ -92,8 +98,9 @@ def build(root: Path, device: torch.device, dtype, override: str, timer: TimedAt
     embed = nn.Embedding(v, d, device=device, dtype=dtype)  # random: timing needs shapes only
     head = torch.randn(v, d, device=device, dtype=dtype)
     n_target = cfg.num_target_layers or max(cfg.target_layer_ids) + 1
-    # Same reads as the model's default backend (TORCH_ATTENTION): bounded by the window.
-    backend = AttentionBackend("torch+events", timer, bounds_window_reads=True)
+    # The drafter's default backend (Triton on CUDA, torch elsewhere), bracketed by events.
+    timer.fn = triton_block_attention if device.type == "cuda" else block_attention
+    backend = AttentionBackend(f"{timer.fn.__name__}+events", timer, bounds_window_reads=True)
     return load_dflash(root, embed, head, n_target, dtype, device,
                        window_override=override, attention_backend=backend)  # fmt: skip
 
@@ -141,8 +148,7 @@ def kernel_ms(drafter, states, clock: Clock, blk: int, reps: int, warmup: int, g
     for li, pol in enumerate(drafter.policy):
         ck = torch.stack([s.layers[li].k for s in states])
         cv = torch.stack([s.layers[li].v for s in states])
-        # Before its first wrap a ring holds cap < W rows with slot == pos (n_ctx <= cap).
-        window = None if pol.window is None else min(pol.window, ck.shape[1])
+        window = pol.window  # the kernel follows the ring's layout (slot = pos % capacity)
 
         def call(reads, ck=ck, cv=cv, window=window):
             return draft_attention(

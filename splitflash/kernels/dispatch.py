@@ -68,6 +68,7 @@ def draft_attention(
     window: int | None,
     scale: float,
     *,
+    causal: bool = False,
     cache_slots: torch.Tensor | Sequence[int] | None = None,  # [R]
     **triton_kwargs,  # max_ctx_len, num_splits, keys_read: ignored by the reference
 ) -> torch.Tensor:  # [R, B_blk, H, D]
@@ -78,9 +79,9 @@ def draft_attention(
         _announce("draft_attention", "triton", reason)
         return draft_attention_triton(
             q, blk_k, blk_v, ctx_k, ctx_v, n_ctx, window, scale,
-            cache_slots=cache_slots, **triton_kwargs,
+            causal=causal, cache_slots=cache_slots, **triton_kwargs,
         )  # fmt: skip
     _announce("draft_attention", "torch reference", reason)
     return draft_attention_ref(
-        q, blk_k, blk_v, ctx_k, ctx_v, n_ctx, window, scale, cache_slots=cache_slots
+        q, blk_k, blk_v, ctx_k, ctx_v, n_ctx, window, scale, causal=causal, cache_slots=cache_slots
     )

@@ -1,11 +1,14 @@
-"""Triton drafter block attention over [context ring buffer window | block keys].
+"""Triton drafter block attention over [context ring buffer | block keys].
 
-Layout and semantics: see draft_attention_ref (same arguments). Grid:
-(num_splits, R * m_tiles, H_KV). Rows are (block query, group head) pairs r = i * G + g so
-all query heads of one KV head share each K/V tile (GQA). The context window of a request
-(n_read = min(n_ctx, W) entries, or n_ctx for a full layer) is split across programs; split 0
-also takes the block keys. Loop bounds stop at n_read, so a sliding layer never loads more
-than W context keys, whatever n_ctx is: reads are bounded by the loop, not by a mask.
+Layout and semantics: see draft_attention_ref (same arguments), which are exactly those of
+the drafter's `block_attention`: block query i (position n_ctx + i) sees context position p
+iff n_ctx + i - p < W on a sliding layer, and the block keys under the causal / window
+rules. Grid: (num_splits, R * m_tiles, H_KV). Rows are (block query, group head) pairs
+r = i * G + g so all query heads of one KV head share each K/V tile (GQA). The context a
+request reads (n_read = min(n_ctx, W - 1) entries for a sliding layer, n_ctx for a full one)
+is split across programs; split 0 also takes the block keys. Loop bounds stop at n_read, so
+a sliding layer never loads more than W - 1 context keys, whatever n_ctx is: reads are
+bounded by the loop, the per-query window is a mask inside those tiles.
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from splitflash.kernels.draft_attention_ref import check_draft_inputs
+from splitflash.kernels.draft_attention_ref import (
+    check_draft_inputs,
+    context_reads,
+    context_span,
+)
 from splitflash.kernels.online_softmax import attend_tile
 from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
@@ -50,7 +57,7 @@ def _draft_attn_kernel(
     qk_scale, window, w_cap, split_len, num_splits, m_tiles,
     KV_BUCKET, CC,  # autotune keys only
     BLK: tl.constexpr, H: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr,
-    D: tl.constexpr, SLIDING: tl.constexpr,
+    D: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
     COUNT_READS: tl.constexpr,
@@ -61,8 +68,8 @@ def _draft_attn_kernel(
     kv_head = tl.program_id(2)
     n = tl.load(n_ctx_ptr + r).to(tl.int32)
     n_read = n
-    if SLIDING:
-        n_read = tl.minimum(n, window)
+    if SLIDING:  # the anchor (block query 0) sees positions > n - W: the W - 1 newest
+        n_read = tl.minimum(n, window - 1)
     first = n - n_read  # absolute position of the first context entry read
     slot = tl.load(slots_ptr + r).to(tl.int64)
 
@@ -70,6 +77,7 @@ def _draft_attn_kernel(
     qi = rows // G
     head = kv_head * G + rows % G
     row_ok = qi < BLK
+    qpos = n + qi  # [BLOCK_M] absolute position of each row's query
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     q_rows = (r * BLK + qi) * H + head  # [BLOCK_M] row index into [R * B_blk * H]
@@ -89,7 +97,8 @@ def _draft_attn_kernel(
     for k0 in range(start, end, BLOCK_N):
         kt = k0 + tl.arange(0, BLOCK_N)
         kt_ok = kt < end
-        ring = ((first + kt) % w_cap).to(tl.int64)  # [BLOCK_N] ring-buffer slots
+        kpos = first + kt  # [BLOCK_N] absolute context positions
+        ring = (kpos % w_cap).to(tl.int64)  # ring-buffer slots
         off = ring[:, None] * (H_KV * D) + offs_d[None, :]
         kv_mask = kt_ok[:, None] & d_ok[None, :]
         k = tl.load(ring_base + off, mask=kv_mask, other=0.0)
@@ -97,7 +106,10 @@ def _draft_attn_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        m_i, l_i, acc = attend_tile(q, k, v, kt_ok[None, :], m_i, l_i, acc, qk_scale, DOT_IEEE)
+        visible = kt_ok[None, :]
+        if SLIDING:  # per-query window; causality holds for every context key (p < n)
+            visible = visible & ((qpos[:, None] - kpos[None, :]) < window)
+        m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
         n_loaded += tl.sum(kt_ok.to(tl.int32), axis=0)
 
     if split == 0:
@@ -110,7 +122,15 @@ def _draft_attn_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        m_i, l_i, acc = attend_tile(q, k, v, bt_ok[None, :], m_i, l_i, acc, qk_scale, DOT_IEEE)
+        rel = qi[:, None] - bt[None, :]  # [BLOCK_M, BLOCK_B] query pos - key pos
+        visible = bt_ok[None, :]
+        if CAUSAL:
+            visible = visible & (rel >= 0)
+        if SLIDING:
+            visible = visible & (rel < window)
+            if not CAUSAL:
+                visible = visible & (-rel < window)
+        m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
 
     # One program per (request, split) counts, so the sum is keys read per request and head.
     if COUNT_READS and kv_head == 0 and m_tile == 0:
@@ -130,7 +150,7 @@ def _draft_attn_kernel(
 
 @lru_cache(maxsize=8)
 def _tuned_kernel(set_name: str):
-    key = ["KV_BUCKET", "CC", "BLK", "D", "G", "SLIDING", "BLOCK_M", "DIRECT_OUT"]
+    key = ["KV_BUCKET", "CC", "BLK", "D", "G", "SLIDING", "CAUSAL", "BLOCK_M", "DIRECT_OUT"]
     return autotuned(_draft_attn_kernel, set_name, key)
 
 
@@ -144,13 +164,16 @@ def draft_attention_triton(
     window: int | None,
     scale: float,
     *,
+    causal: bool = False,
     cache_slots: torch.Tensor | Sequence[int] | None = None,  # [R]
     max_ctx_len: int | None = None,
     num_splits: int | None = None,
     keys_read: torch.Tensor | None = None,  # [R] int32, incremented by context keys loaded
 ) -> torch.Tensor:  # [R, B_blk, H, D]
-    """Same contract as draft_attention_ref. For a full layer, max_ctx_len (an upper bound
-    on n_ctx) avoids a device->host sync; a sliding layer is bounded by W without one."""
+    """Same contract as draft_attention_ref. max_ctx_len (>= every n_ctx) sizes the split
+    plan; for a full layer given a device n_ctx it avoids a device->host sync (a sliding
+    layer is bounded by W - 1 without one). Host n_ctx (a sequence) is checked per request
+    against W_cap; a device n_ctx only through max_ctx_len."""
     group = check_draft_inputs(q, blk_k, blk_v, ctx_k, ctx_v, window)
     n_req, blk, n_heads, head_dim = q.shape
     w_cap, n_kv_heads = ctx_k.shape[1], ctx_k.shape[2]
@@ -171,12 +194,10 @@ def draft_attention_triton(
         # Copying would silently duplicate the whole cache on every call.
         raise ValueError("ctx_k / ctx_v must be contiguous [C, W_cap, H_KV, D] tensors")
     q, blk_k, blk_v = (t.contiguous() for t in (q, blk_k, blk_v))
-    if window is not None:
-        bound = window
-    else:
-        bound = int(n_ctx_t.max()) if max_ctx_len is None else max_ctx_len
-        if bound > w_cap:
-            raise ValueError(f"full layer needs W_cap >= n_ctx ({w_cap} < {bound})")
+    bound = _read_bound(n_ctx, n_ctx_t, window, w_cap, max_ctx_len)
+    if w_cap == 0:  # an empty cache (every n_ctx is 0): a 1-row stand-in, never read
+        ctx_k = ctx_v = q.new_zeros(max(1, ctx_k.shape[0]), 1, n_kv_heads, head_dim)
+        w_cap = 1
 
     interp = interpreter_active()
     if interp or not q.is_cuda:
@@ -204,6 +225,7 @@ def draft_attention_triton(
     )  # fmt: skip
     meta = dict(
         BLK=blk, H=n_heads, H_KV=n_kv_heads, G=group, D=head_dim, SLIDING=window is not None,
+        CAUSAL=bool(causal),
         BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_B=max(16, next_pow2(blk)),
         DIRECT_OUT=direct, UPCAST=upcast, DOT_IEEE=upcast, COUNT_READS=keys_read is not None,
     )  # fmt: skip
@@ -220,3 +242,20 @@ def draft_attention_triton(
     if not direct:
         combine_splits(part_out, part_lse, out)
     return out
+
+
+def _read_bound(n_ctx, n_ctx_t, window: int | None, w_cap: int, max_ctx_len: int | None) -> int:
+    """Most context entries any request reads (sizes the split plan), checked against W_cap
+    wherever that needs no device->host sync."""
+    if not isinstance(n_ctx, torch.Tensor):  # host ints: exact, per request
+        spans = [context_span(int(n), window, w_cap, r) for r, n in enumerate(n_ctx)]
+        return max((n_read for _, n_read in spans), default=0)
+    if max_ctx_len is None:
+        if window is not None:
+            return window - 1  # no sync: the window alone bounds the reads
+        max_ctx_len = int(n_ctx_t.max())  # device->host sync
+    bound = context_reads(int(max_ctx_len), window)
+    if bound > w_cap:
+        need = "n_ctx" if window is None else f"min(n_ctx, W - 1) for W={window}"
+        raise ValueError(f"the ring must hold {need}: W_cap {w_cap} < {bound}")
+    return bound

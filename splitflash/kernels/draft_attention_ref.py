@@ -2,16 +2,23 @@
 
 Batched layout (R requests, all drafting blocks of the same size B_blk):
     q            [R, B_blk, H, D]      queries of each drafted block
-    blk_k, blk_v [R, B_blk, H_KV, D]   the block's own keys/values (non-causal inside the block)
+    blk_k, blk_v [R, B_blk, H_KV, D]   the block's own keys/values
     ctx_k, ctx_v [C, W_cap, H_KV, D]   one ring buffer per cache slot c: context entry at
                                        absolute position p lives at [c, p % W_cap]
     n_ctx        [R] int               context entries ever written for request r
-    window       W or None             sliding layer: attend to the last min(n_ctx, W) context
-                                       entries; None: full layer, W_cap >= n_ctx, all entries
+    window       W or None             sliding layer of window W; None: full layer
+    causal       bool                  causal inside the block (else non-causal)
     cache_slots  [R] int or None       ring-buffer slot of request r (None: slot r)
     out          [R, B_blk, H, D]
-Each query sees [context window | whole block]. Only the window's entries are gathered: a
-sliding layer reads min(n_ctx, W) context keys whatever the context length.
+Semantics: exactly `splitflash.models.dflash.cache.block_attention` (the function the
+drafter was trained with). Block query i sits at position s = n_ctx + i, block key j at
+n_ctx + j, context key at p < n_ctx. A key at position p is visible to the query at s iff
+s - p < W (sliding), p <= s (causal), and for a non-causal sliding layer also p - s < W.
+So the anchor (i = 0) sees the W - 1 newest context entries and later queries fewer: a
+sliding layer reads only positions n_ctx - (W - 1) .. n_ctx - 1, min(n_ctx, W - 1) entries
+whatever the context length. The ring must hold them: W_cap >= min(n_ctx, W - 1) (full
+layer: W_cap >= n_ctx); W_cap < W is fine before the ring first wraps (the drafter's cache
+grows its ring up to W), W_cap > W too (slot = p % W_cap either way).
 """
 
 from __future__ import annotations
@@ -69,21 +76,46 @@ def check_draft_inputs(
         raise ValueError(f"H={n_heads} is not a multiple of H_KV={n_kv_heads}")
     if any(t.dtype != q.dtype for t in (blk_k, blk_v, ctx_k, ctx_v)):
         raise ValueError("q, block and context tensors must share one dtype")
-    if window is not None and not 1 <= window <= ctx_k.shape[1]:
-        raise ValueError(f"window {window} must be in 1..W_cap={ctx_k.shape[1]}")
+    if window is not None and window < 1:
+        raise ValueError(f"window {window} must be >= 1")
     return n_heads // n_kv_heads
+
+
+def context_reads(n: int, window: int | None) -> int:
+    """Context entries a drafting call reads: min(n, W - 1) for a sliding layer, n if full."""
+    return n if window is None else min(n, window - 1)
 
 
 def context_span(n: int, window: int | None, w_cap: int, request: int) -> tuple[int, int]:
     """(first absolute context position read, number read) for one request."""
     if n < 0:
         raise ValueError(f"request {request}: n_ctx {n} < 0")
-    if window is None:
-        if n > w_cap:
+    n_read = context_reads(n, window)
+    if n_read > w_cap:
+        if window is None:
             raise ValueError(f"request {request}: full layer needs W_cap >= n_ctx ({w_cap} < {n})")
-        return 0, n
-    n_read = min(n, window)
+        raise ValueError(
+            f"request {request}: sliding layer of window {window} reads the last {n_read} "
+            f"context entries but the ring holds W_cap={w_cap}"
+        )
     return n - n_read, n_read
+
+
+def draft_visibility(
+    n: int, n_read: int, blk: int, window: int | None, causal: bool, device=None
+) -> torch.Tensor:
+    """Bool [B_blk, n_read + B_blk]: may block query i see key j of [context read | block]."""
+    qpos = torch.arange(n, n + blk, device=device)
+    kpos = torch.cat([torch.arange(n - n_read, n, device=device), qpos])
+    rel = qpos[:, None] - kpos[None, :]  # query position - key position
+    visible = torch.ones_like(rel, dtype=torch.bool)
+    if causal:
+        visible &= rel >= 0
+    if window is not None:
+        visible &= rel < window
+        if not causal:
+            visible &= -rel < window
+    return visible
 
 
 def draft_attention_ref(
@@ -96,6 +128,7 @@ def draft_attention_ref(
     window: int | None,
     scale: float,
     *,
+    causal: bool = False,
     cache_slots: torch.Tensor | Sequence[int] | None = None,  # [R]
     counter: KeysReadCounter | None = None,
 ) -> torch.Tensor:  # [R, B_blk, H, D]
@@ -114,16 +147,19 @@ def draft_attention_ref(
         if not 0 <= slots[r] < ctx_k.shape[0]:
             raise ValueError(f"request {r}: cache slot {slots[r]} outside 0..{ctx_k.shape[0] - 1}")
         first, n_read = context_span(lens[r], window, w_cap, r)
-        ring = (torch.arange(n_read, device=q.device) + first) % w_cap  # [n_read]
+        ring = (torch.arange(n_read, device=q.device) + first) % max(w_cap, 1)  # [n_read]
         # [n_read + B_blk, H_KV, D] -> [H_KV, L, D]
         k = torch.cat([ctx_k[slots[r]].index_select(0, ring), blk_k[r]]).transpose(0, 1)
         v = torch.cat([ctx_v[slots[r]].index_select(0, ring), blk_v[r]]).transpose(0, 1)
         if counter is not None:
             counter.per_request.append(n_read)
-        # [B_blk, H, D] -> [H_KV, G * B_blk, D]; head h = kv_head * G + g
+        visible = draft_visibility(lens[r], n_read, blk, window, causal, q.device)
+        # [B_blk, H, D] -> [H_KV, G * B_blk, D]; head h = kv_head * G + g, row g * B_blk + i
         qr = q[r].reshape(blk, n_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qr = qr.reshape(n_kv_heads, group * blk, head_dim)
         scores = torch.matmul(qr, k.transpose(1, 2)).to(soft_dtype) * scale
+        # Every query sees at least its own block key, so no row is fully masked.
+        scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         o = torch.matmul(probs, v).view(n_kv_heads, group, blk, head_dim).permute(2, 0, 1, 3)
         out[r] = o.reshape(blk, n_heads, head_dim)

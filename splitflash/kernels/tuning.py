@@ -218,6 +218,21 @@ class LaunchPlan:
     splits: SplitPlan
 
 
+def env_config() -> _TileConfig | None:
+    """SPLITFLASH_KERNEL_CONFIG=BLOCK_N,warps,stages: one tile config instead of autotuning
+    (one compile per shape: for time-boxed GPU runs). Unset: autotune."""
+    text = os.environ.get("SPLITFLASH_KERNEL_CONFIG", "").strip()
+    if not text:
+        return None
+    try:
+        block_n, warps, stages = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"SPLITFLASH_KERNEL_CONFIG must be BLOCK_N,warps,stages (e.g. 64,4,3), got {text!r}"
+        ) from None
+    return block_n, warps, stages
+
+
 def plan_launch(
     device, rows: int, max_q_len: int, n_req: int, n_kv_heads: int, max_kv_len: int, *,
     config: _TileConfig | None = None, num_splits: int | None = None,
@@ -233,6 +248,8 @@ def plan_launch(
         cap, sm_count = device_facts(device.index or 0)
     if config is None and interp:
         config = INTERPRETER_CONFIG
+    if config is None:
+        config = env_config()
     if config is not None:
         config = tuple(config)
         wide_ok = config[1] >= WIDE_M_MIN_WARPS

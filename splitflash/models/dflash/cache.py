@@ -9,16 +9,21 @@ Layout (per request, per draft layer): K and V tensors `[cap, H_KV, hd]`.
 - Full layer: every context row, slot == pos; capacity grows by doubling (amortised O(1)
   appends, one contiguous buffer a kernel can stream).
 This is the layout the Triton kernel in `splitflash/kernels/draft_attention*.py` expects
-(`[W_cap, H_KV, D]`, slot = p % W_cap), so `block_attention` can be swapped for it.
+(`[W_cap, H_KV, D]`, slot = p % W_cap: the same slots, since a ring smaller than W has not
+wrapped yet), with `block_attention`'s semantics: TRITON_ATTENTION runs it per request.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger("splitflash.dflash")
 
 _MIN_CAP = 16
 
@@ -166,3 +171,58 @@ class AttentionBackend:
 
 
 TORCH_ATTENTION = AttentionBackend("torch", block_attention, bounds_window_reads=True)
+
+
+def triton_block_attention(
+    q: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    n_ctx: int,
+    window: int | None,
+    blk_k: torch.Tensor,
+    blk_v: torch.Tensor,
+    causal: bool,
+    *,
+    keys_read: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int]:
+    """`block_attention`'s contract on the drafter kernel (`kernels.dispatch.draft_attention`:
+    Triton on CUDA or with SPLITFLASH_FORCE_TRITON=1, else its torch reference).
+
+    The request's cache goes in as a batch of one ([1, cap, H_KV, hd] views, no copy). Every
+    size travels as a host int (max_ctx_len) and the rows read are counted on the host, so
+    no device->host sync happens. keys_read: optional [1] int32 device counter the kernel
+    adds the context keys it actually loads to (tests).
+    """
+    from splitflash.kernels.dispatch import draft_attention
+
+    n_read = n_ctx if window is None else min(n_ctx, window - 1)
+    if n_read > ctx_k.shape[0]:
+        raise ValueError(f"cache holds {ctx_k.shape[0]} rows, the layer reads {n_read}")
+    lens = torch.full((1,), n_ctx, dtype=torch.int32, device=q.device)  # a fill, no H2D copy
+    out = draft_attention(
+        q[None], blk_k[None], blk_v[None], ctx_k[None], ctx_v[None], lens, window,
+        q.shape[-1] ** -0.5, causal=causal, cache_slots=_slot_zero(q.device),
+        max_ctx_len=n_ctx, keys_read=keys_read,
+    )  # fmt: skip
+    return out[0], n_read
+
+
+@cache
+def _slot_zero(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+TRITON_ATTENTION = AttentionBackend("triton", triton_block_attention, bounds_window_reads=True)
+
+
+@cache
+def _announce(backend: str, reason: str) -> None:
+    logger.info("DFlash drafter attention backend: %s (%s)", backend, reason)
+
+
+def auto_attention_backend(device: torch.device | str) -> AttentionBackend:
+    """TRITON_ATTENTION for weights on CUDA, TORCH_ATTENTION elsewhere (logged once)."""
+    device = torch.device(device)
+    backend = TRITON_ATTENTION if device.type == "cuda" else TORCH_ATTENTION
+    _announce(backend.name, f"auto: drafter weights on {device.type}")
+    return backend

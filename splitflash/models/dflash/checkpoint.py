@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from splitflash.models.dflash.cache import TORCH_ATTENTION, AttentionBackend
+from splitflash.models.dflash.cache import AttentionBackend
 from splitflash.models.dflash.config import DFlashConfig
 from splitflash.models.dflash.model import DFlashDrafter
 from splitflash.models.dflash.policy import WindowOverride
@@ -58,9 +58,10 @@ def load_dflash(
     device: torch.device | str = "cpu",
     *,
     window_override: WindowOverride = "checkpoint",
-    attention_backend: AttentionBackend = TORCH_ATTENTION,
+    attention_backend: AttentionBackend | None = None,
 ) -> DFlashDrafter:
-    """Build a drafter from a public-format checkpoint, sharing the target's embed/head."""
+    """Build a drafter from a public-format checkpoint, sharing the target's embed/head.
+    attention_backend None: Triton on CUDA, torch on CPU (see `DFlashDrafter.backend`)."""
     root = Path(path_dir)
     if not (root / CONFIG_FILE).is_file():
         raise ValueError(f"no {CONFIG_FILE} in DFlash checkpoint {root}")

@@ -14,10 +14,12 @@ from torch import nn
 
 from splitflash.models.dflash.cache import (
     TORCH_ATTENTION,
+    TRITON_ATTENTION,
     AttentionBackend,
     DFlashDesyncError,
     DFlashState,
     LayerKV,
+    auto_attention_backend,
 )
 from splitflash.models.dflash.config import DFlashConfig
 from splitflash.models.dflash.layers import DFlashDecoderLayer, RMSNorm, rope_cos_sin
@@ -46,13 +48,18 @@ class DFlashDrafter(nn.Module):
         lm_head_weight: torch.Tensor,
         *,
         window_override: WindowOverride = "checkpoint",
-        attention_backend: AttentionBackend = TORCH_ATTENTION,
+        attention_backend: AttentionBackend | None = None,
     ) -> None:
+        """attention_backend None: chosen from the weights' device at draft time (see
+        `backend`), so a drafter built on meta / CPU and moved to CUDA still gets Triton."""
         super().__init__()
         self.config = config
         self.window_override = window_override
-        self.backend = attention_backend
-        self.policy: list[LayerPolicy] = build_policy(config, window_override, attention_backend)
+        self._explicit_backend = attention_backend
+        # Both automatic candidates bound window reads, so either one validates the policy.
+        assert TORCH_ATTENTION.bounds_window_reads and TRITON_ATTENTION.bounds_window_reads
+        checked = TORCH_ATTENTION if attention_backend is None else attention_backend
+        self.policy: list[LayerPolicy] = build_policy(config, window_override, checked)
         self.layers = nn.ModuleList(
             DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
@@ -75,6 +82,14 @@ class DFlashDrafter(nn.Module):
         # Frozen and shared: no gradients, no copies, not part of this module's state_dict.
         embed_tokens.weight.requires_grad_(False)
         self._shared = _Shared(embed_tokens, lm_head_weight.detach())
+
+    @property
+    def backend(self) -> AttentionBackend:
+        """The attention backend in force: the one passed in, else Triton when the weights are
+        on CUDA and torch `block_attention` otherwise (the choice is logged once)."""
+        if self._explicit_backend is not None:
+            return self._explicit_backend
+        return auto_attention_backend(self.fc.weight.device)
 
     # ---- policy --------------------------------------------------------------------------
     def policy_summary(self) -> list[LayerPolicy]:
@@ -189,6 +204,7 @@ class DFlashDrafter(nn.Module):
         )  # [N, T]
         cos, sin = self._rope(pos)  # [N, T, hd]
         reads = [[0] * len(self.layers) for _ in states]
+        attention = self.backend.fn
         for li, (layer, pol) in enumerate(zip(self.layers, self.policy, strict=True)):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -197,7 +213,7 @@ class DFlashDrafter(nn.Module):
             outs = []
             for r, state in enumerate(states):
                 kv = state.layers[li]
-                o, n_read = self.backend.fn(
+                o, n_read = attention(
                     q[r], kv.k, kv.v, state.n_ctx, pol.window, k[r], v[r], cfg.is_causal
                 )
                 outs.append(o)  # [T, H, hd]
