@@ -72,6 +72,7 @@ class VerifyGraphs:
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
         self.captures = 0
+        self.failed = False  # a capture raised once: eager from then on (logged)
 
     def key_for(self, q_lens: list[int], kv_lens: list[int]) -> tuple[int, int, int] | None:
         """(B_pad, Q, KV bucket) of a step, or None when it must run eagerly."""
@@ -89,13 +90,18 @@ class VerifyGraphs:
     ) -> ForwardOutput | None:
         """The forward of `batch` from a graph, or None if no graph fits it (run eagerly)."""
         meta = batch.meta
-        shape = self.key_for(meta.q_lens, meta.kv_lens_list)
+        shape = None if self.failed else self.key_for(meta.q_lens, meta.kv_lens_list)
         if shape is None:
             return None
         key = (*shape, tuple(hidden_layer_ids))
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(key, batch)
+            try:
+                entry = self._capture(key, batch)
+            except Exception:  # a step must never fail because a graph could not be made
+                log.exception("CUDA graph capture failed: verify steps run eagerly from now on")
+                self.failed = True
+                return None
         else:
             self._graphs.move_to_end(key)
             self._load(entry.batch, batch, shape)

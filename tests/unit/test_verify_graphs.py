@@ -91,6 +91,22 @@ def test_keys_choose_padding_or_eager():
     assert graphs.key_for([65], [100]) is None  # longer than a verify block
 
 
+def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
+    model = tiny_model()
+    prompts = [[3, 1, 4, 1, 5], [2, 7]]
+    want = _run(_engine(model, graphs=False), prompts, [4, 4], seed=3)
+    engine = _engine(model, graphs=True)
+
+    def broken(*_):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine.graphs, "_capture", broken)
+    got = _run(engine, prompts, [4, 4], seed=3)
+    _same(want, got, atol=0.0)  # eager steps, the same as the plain engine
+    assert engine.graphs.failed and engine.graphs.replays == 0
+    assert "CUDA graph capture failed" in caplog.text
+
+
 def test_graphs_need_scratch_pages():
     model = tiny_model()
     cfg = model.cfg
