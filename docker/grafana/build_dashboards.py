@@ -189,6 +189,12 @@ SERVICES = [
            "{{service}} {{instance}}"), unit="percentunit", max=1),
     panel("Protocol errors/s", "Frames answered with an Error reply, by service and code.",
           (rate("splitflash_protocol_errors_total", "service, code"), "{{service}} {{code}}")),
+    panel("Verify forwards by mode",
+          "graph = a replayed CUDA graph; eager = kernels launched one by one (CPU, mixed "
+          "block lengths, batches past the largest graph, or graphs off/failed). A GPU "
+          "deployment should be nearly all graph; capture_failed = 1 means it fell back.",
+          (rate("splitflash_verify_forwards_total", "mode"), "{{mode}}"),
+          ("max(splitflash_verify_graph_capture_failed)", "capture_failed"), unit="ops"),
     panel("Targets up", "", ('up{job=~"splitflash-.*"}', "{{job}} {{instance}}"), max=1),
 ]  # fmt: skip
 

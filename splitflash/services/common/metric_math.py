@@ -176,6 +176,16 @@ METRICS = MappingProxyType(
             "counter", "Bytes of KV cache plus weights read by verify forwards; context_bucket "
             "= longest context in the batch (the step_seconds rule).", _BUCKET,
         ),
+        "verify_forwards": _d(
+            "counter", "Verify forwards by how they ran: mode=graph replayed a captured CUDA "
+            "graph, mode=eager launched each kernel from Python (CPU, mixed block lengths, "
+            "batches past the largest graph, graphs off or failed).",
+            ("mode", ("graph", "eager")),
+        ),
+        "verify_graph_capture_failed": _d(
+            "gauge", "1 once a CUDA graph capture failed: verify then runs every step eagerly "
+            "(the error is in the verify log)."
+        ),
         "kv_pages_used": _d("gauge", "KV cache pages in use."),
         "kv_pages_total": _d("gauge", "KV cache pages allocated."),
     }

@@ -180,6 +180,8 @@ def publish_attention_policy(
 @dataclass(frozen=True)
 class VerifyMetrics:
     verify_kv_bytes_read: Counter
+    verify_forwards: Counter
+    verify_graph_capture_failed: Gauge
     kv_pages_used: Gauge
     kv_pages_total: Gauge
     common: ServiceMetrics

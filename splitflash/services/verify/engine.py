@@ -69,6 +69,7 @@ class TargetEngine:
     ) -> None:
         self.model = model
         self.graphs = graphs  # CUDA graphs for uniform verify steps; None = always eager
+        self.last_forward_mode: str | None = None  # "graph" | "eager" of the last verify
         self.cache = cache
         self.feature_layer_ids = feature_layer_ids
         self.max_context = max_context or model.cfg.max_position_embeddings
@@ -150,6 +151,7 @@ class TargetEngine:
     def verify(self, items: list[VerifyInput]) -> list[StepReport]:
         """One batched forward over [anchor + drafts] of every request, then acceptance."""
         reports: dict[str, StepReport] = {}
+        self.last_forward_mode = None
         spans = []
         for item in items:
             seq = self.seqs.get(item.request_id)
@@ -181,6 +183,7 @@ class TargetEngine:
     def _verify_spans(self, spans, reports: dict[str, StepReport]) -> None:
         batch = self._batch([(rid, block, start) for rid, block, start, _ in spans])
         out = None if self.graphs is None else self.graphs.run(batch, self.feature_layer_ids)
+        self.last_forward_mode = "eager" if out is None else "graph"
         if out is None:  # no graph fits this step (or none wanted): eager
             out = self.model(batch, self.cache, None, self.feature_layer_ids)
         lo = 0

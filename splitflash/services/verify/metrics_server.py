@@ -49,6 +49,10 @@ class VerifyServerMetrics:
         self.bundle.kv_pages_used.set(used)
         self.bundle.kv_pages_total.set(total)
 
+    def count_forward(self, mode: str, capture_failed: bool) -> None:
+        self.bundle.verify_forwards.labels(mode=mode).inc()
+        self.bundle.verify_graph_capture_failed.set(int(capture_failed))
+
     def add_kv_bytes(self, longest_context: int, n_bytes: int) -> None:
         self.bundle.verify_kv_bytes_read.labels(context_bucket=context_bucket(longest_context)).inc(
             n_bytes
