@@ -5,7 +5,6 @@ the window as the kernel itself counts them, and the automatic backend choice.""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -19,15 +18,9 @@ from splitflash.models.dflash.cache import (
     auto_attention_backend,
     triton_block_attention,
 )
+from tests.unit.kernel_env import CUDA, DEVICE, INTERPRET, needs_triton
 from tests.unit.test_dflash_support import N_TARGET, cfg_dict, feats, make, public_checkpoint
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-CUDA = torch.cuda.is_available()
-needs_triton = pytest.mark.skipif(
-    not (INTERPRET or CUDA),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by `make test`)",
-)
-DEVICE = "cpu" if INTERPRET or not CUDA else "cuda"  # kernel: interpreter on CPU, else GPU
 W = 8  # cfg_dict's window: layers 0, 1 sliding, layer 2 full
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 

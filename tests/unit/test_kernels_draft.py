@@ -7,27 +7,13 @@ keys at any context length.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from splitflash.kernels.dispatch import draft_attention
 from splitflash.kernels.draft_attention_ref import KeysReadCounter, draft_attention_ref
 from splitflash.models.dflash.cache import LayerKV, block_attention
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-CUDA = torch.cuda.is_available()
-needs_triton = pytest.mark.skipif(
-    not (INTERPRET or CUDA),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by `make test`)",
-)
-needs_gpu = pytest.mark.skipif(
-    not CUDA or INTERPRET,
-    reason="bf16 kernel tests need a CUDA GPU and TRITON_INTERPRET unset (bf16 is broken there)",
-)
-DEVICE = "cpu" if INTERPRET or not CUDA else "cuda"
-ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+from tests.unit.kernel_env import ATOL, DEVICE, needs_gpu, needs_triton
 
 
 def reads(n: int, window: int | None) -> int:

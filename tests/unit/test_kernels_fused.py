@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import pytest
 import torch
@@ -17,19 +16,8 @@ from splitflash.kernels.fused_norm import rms_norm_ref
 from splitflash.kernels.rope_kv import rope_kv_write_ref
 from splitflash.models.kv_cache import PagedKVCache
 from splitflash.models.target import RMSNorm, apply_rope, rope_cos_sin
+from tests.unit.kernel_env import ATOL, DEVICE, needs_gpu, needs_triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-CUDA = torch.cuda.is_available()
-needs_triton = pytest.mark.skipif(
-    not (INTERPRET or CUDA),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by `make test`)",
-)
-needs_gpu = pytest.mark.skipif(
-    not CUDA or INTERPRET,
-    reason="bf16 kernel tests need a CUDA GPU and TRITON_INTERPRET unset (bf16 is broken there)",
-)
-DEVICE = "cpu" if INTERPRET or not CUDA else "cuda"
-ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 EPS = 1e-6
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 

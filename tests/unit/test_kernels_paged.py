@@ -8,7 +8,6 @@ err(kernel vs fp64) <= 2 * err(torch low-precision reference vs fp64) + atol.
 from __future__ import annotations
 
 import logging
-import os
 import random
 
 import pytest
@@ -17,19 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitflash.kernels.paged_attention_ref import paged_attention_ref
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-CUDA = torch.cuda.is_available()
-needs_triton = pytest.mark.skipif(
-    not (INTERPRET or CUDA),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set by `make test`)",
-)
-needs_gpu = pytest.mark.skipif(
-    not CUDA or INTERPRET,
-    reason="bf16 kernel tests need a CUDA GPU and TRITON_INTERPRET unset (bf16 is broken there)",
-)
-DEVICE = "cpu" if INTERPRET or not CUDA else "cuda"
-ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+from tests.unit.kernel_env import ATOL, DEVICE, needs_gpu, needs_triton
 
 
 def ancestor_bits(parents: list[int]) -> list[int]:

@@ -20,7 +20,8 @@ from splitflash.kernels.tuning import (
     pick_block_m,
     plan_splits,
 )
-from tests.unit.test_kernels_paged import check_against_oracle, make_case, needs_triton
+from tests.unit.kernel_env import needs_triton
+from tests.unit.test_kernels_paged import check_against_oracle, make_case
 
 F32 = torch.float32
 

@@ -23,6 +23,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from splitflash.kernels.draft_attention_ref import draft_visibility
+
 logger = logging.getLogger("splitflash.dflash")
 
 _MIN_CAP = 16
@@ -104,14 +106,12 @@ class DFlashState:
 
 
 def _context_rows(ctx_k: torch.Tensor, ctx_v: torch.Tensor, n_ctx: int, window: int | None):
-    """The context rows any block query may see, oldest first, with their positions."""
-    lo = 0 if window is None else max(0, n_ctx - (window - 1))
-    pos = torch.arange(lo, n_ctx, device=ctx_k.device)
+    """The context rows any block query may see, oldest first: [n_read, H_KV, hd] each."""
     if window is None:
-        return ctx_k[:n_ctx], ctx_v[:n_ctx], pos
-    slots = pos % window
+        return ctx_k[:n_ctx], ctx_v[:n_ctx]
+    slots = torch.arange(max(0, n_ctx - (window - 1)), n_ctx, device=ctx_k.device) % window
     # index_select touches only these <= W - 1 rows: the read is bounded before any QK.
-    return ctx_k.index_select(0, slots), ctx_v.index_select(0, slots), pos
+    return ctx_k.index_select(0, slots), ctx_v.index_select(0, slots)
 
 
 def block_attention(
@@ -133,22 +133,14 @@ def block_attention(
     Returns (out [T, H, hd], number of context rows read).
     """
     t, h, hd = q.shape
-    ck, cv, cpos = _context_rows(ctx_k, ctx_v, n_ctx, window)
-    qpos = torch.arange(n_ctx, n_ctx + t, device=q.device)
-    kpos = torch.cat([cpos, qpos])  # [S]
+    ck, cv = _context_rows(ctx_k, ctx_v, n_ctx, window)
     k = torch.cat([ck, blk_k]).transpose(0, 1)  # [H_KV, S, hd]
     v = torch.cat([cv, blk_v]).transpose(0, 1)
     group = h // k.shape[0]
     if group > 1:  # GQA: each KV head serves `group` query heads
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    rel = qpos[:, None] - kpos[None, :]  # [T, S] query pos - key pos
-    visible = torch.ones_like(rel, dtype=torch.bool)
-    if causal:
-        visible &= rel >= 0
-    if window is not None:
-        visible &= rel < window
-        if not causal:
-            visible &= -rel < window
+    # [T, S]: the context rows read are the newest ck.shape[0] positions before n_ctx.
+    visible = draft_visibility(n_ctx, ck.shape[0], t, window, causal, q.device)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=visible)
     return out.transpose(0, 1), int(ck.shape[0])
 
