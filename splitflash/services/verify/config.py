@@ -24,6 +24,12 @@ class VerifySettings:
     # up to graph_max_batch (padded up to the next one); bigger or mixed-length steps run eagerly.
     cuda_graphs: bool = True
     graph_max_batch: int = 32
+    # Tensor parallelism on this host: the target split over tp_size ranks (this process is
+    # rank 0, the others are spawned; "cuda" puts rank r on cuda:r, "cpu" every rank on the
+    # CPU; CUDA graphs off). tp_timeout_s bounds one collective: a dead or stuck rank fails
+    # the step instead of hanging it. See tp_engine.py.
+    tp_size: int = 1
+    tp_timeout_s: float = 60.0
     # Data plane: verify -> draft Features. "" = no link (ngram / speculation off).
     draft_addr: str = "tcp://127.0.0.1:5556"
     draft_name: str = "draft"  # the name PrefillItem.draft_peer must carry to use that link
@@ -51,6 +57,7 @@ class VerifySettings:
             "max_batch",
             "features_chunk_rows",
             "graph_max_batch",
+            "tp_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -58,6 +65,8 @@ class VerifySettings:
             raise ValueError("max_context must be >= 0 and metrics_port in 0..65535")
         if self.features_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise ValueError("features_timeout_s and heartbeat_timeout_s must be > 0")
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
 
     @property
     def torch_dtype_name(self) -> str:

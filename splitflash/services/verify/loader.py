@@ -13,6 +13,7 @@ from splitflash.models.kv_cache import PagedKVCache
 from splitflash.models.loading import load_target
 from splitflash.services.verify.config import VerifySettings
 from splitflash.services.verify.engine import TargetEngine
+from splitflash.services.verify.tp_engine import load_tp_engine
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ def load_engine(settings: VerifySettings) -> TargetEngine:
         settings.device,
         settings.torch_dtype_name,
     )
+    if settings.tp_size > 1:  # ranks 1.. run in processes of their own; close() ends them
+        return load_tp_engine(settings, path)
     model = load_target(path, device=settings.device, dtype=dtype)
     cfg = model.cfg
     graphs_on = settings.cuda_graphs and torch.device(settings.device).type == "cuda"

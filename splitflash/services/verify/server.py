@@ -87,6 +87,7 @@ class VerifyServer:
             link_curve = client_curve_from(settings, "draft", "verify")
         except (RuntimeError, ValueError):
             self._ctx.term()
+            self._close_engine()
             raise
         self._links = DraftLinks(
             self._ctx, settings, self.peer_id, link_curve, self.metrics.count_error
@@ -141,6 +142,13 @@ class VerifyServer:
         if self._http is not None:
             self._http.shutdown()
             self._http = None
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        # Only a tensor-parallel engine has one: it stops and joins its other ranks.
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     # --- dispatch -------------------------------------------------------------------
     def handle(self, msg, frames):
