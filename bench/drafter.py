@@ -13,14 +13,13 @@ import argparse
 import json
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
-from splitflash.models.dflash import DFlashDesyncError
+from splitflash.local import generate_local
 from splitflash.services.common.spec_stats import SpecStats
-from splitflash.services.verify.engine import TargetEngine, VerifyInput
+from splitflash.services.verify.engine import TargetEngine
 from splitflash.services.verify.sampling import Sampling
 
 
@@ -28,41 +27,8 @@ def generate_dflash(
     engine: TargetEngine, proposer, prompt: list[int], max_tokens: int, block_size: int, stop_ids=()
 ) -> tuple[list[int], SpecStats]:
     """Greedy speculative decoding of one prompt; proposer None = target only."""
-    rid = uuid.uuid4().hex
-    stats = SpecStats()
-    report = engine.prefill(rid, prompt, Sampling(), stop_ids, max_tokens)
-    out = list(report.outcome.committed)
-    try:
-        if proposer is not None:
-            proposer.open(rid, prompt)
-            proposer.extend(rid, out, len(prompt) + len(out))
-            proposer.add_features(rid, report.feature_start, report.features)
-        finished = report.finished
-        while not finished:
-            drafts: list[int] = []
-            if proposer is not None:
-                kv_len = engine.cache.seq(rid).length
-                if proposer.context_len(rid) != kv_len:
-                    raise DFlashDesyncError(
-                        f"drafter context {proposer.context_len(rid)} != target KV length {kv_len}"
-                    )
-                drafts = proposer.propose(rid, block_size - 1)
-            base_len = len(prompt) + len(out)
-            (report,) = engine.verify([VerifyInput(rid, base_len, drafts, max_tokens - len(out))])
-            if report.error:
-                raise RuntimeError(report.error)
-            o = report.outcome
-            stats.record(o.draft_tokens, o.draft_tokens, o.accepted_drafts, o.commit_len)
-            out.extend(o.committed)
-            finished = report.finished
-            if proposer is not None and not finished:
-                proposer.extend(rid, o.committed, len(prompt) + len(out))
-                proposer.add_features(rid, report.feature_start, report.features)
-    finally:
-        engine.release(rid)
-        if proposer is not None:
-            proposer.release(rid)
-    return out, stats
+    gen = generate_local(engine, proposer, prompt, max_tokens, Sampling(), stop_ids, block_size)
+    return gen.token_ids, gen.stats
 
 
 def measure_commit_len(
@@ -92,8 +58,15 @@ def measure_commit_len(
 
 
 @torch.no_grad()
-def offline_commit_len(target, drafter, prompts: list[list[int]], max_tokens: int,
-                       block_size: int, stop_ids=(), greedy: dict | None = None) -> dict:
+def offline_commit_len(
+    target,
+    drafter,
+    prompts: list[list[int]],
+    max_tokens: int,
+    block_size: int,
+    stop_ids=(),
+    greedy: dict | None = None,
+) -> dict:
     """The same pooled figures without the step loop, for machines where it is slow.
 
     Greedy speculative decoding commits exactly the target's greedy tokens, so the step
@@ -114,9 +87,10 @@ def offline_commit_len(target, drafter, prompts: list[list[int]], max_tokens: in
     greedy = {} if greedy is None else greedy
     missing = [p for p in prompts if (tuple(p), max_tokens) not in greedy]
     for lo in range(0, len(missing), 16):  # batched: the target's greedy output only
-        chunk = missing[lo:lo + 16]
-        for prompt, out in zip(chunk, generate_batch(target, chunk, max_tokens, stops),
-                               strict=True):
+        chunk = missing[lo : lo + 16]
+        for prompt, out in zip(
+            chunk, generate_batch(target, chunk, max_tokens, stops), strict=True
+        ):
             greedy[(tuple(prompt), max_tokens)] = out
     for prompt in prompts:
         out = greedy[(tuple(prompt), max_tokens)]
@@ -130,16 +104,21 @@ def offline_commit_len(target, drafter, prompts: list[list[int]], max_tokens: in
         while done < len(out) and out[done - 1] not in stops:
             a = p + done - 1  # anchor: the last committed token
             k = min(block_size - 1, max_tokens - done - 1)
-            want = out[done:done + k]
+            want = out[done : done + k]
             acc = 0
             while acc < min(k, len(want)) and drafts[a - p][acc] == want[acc]:
                 acc += 1
             commit = min(acc + 1, len(out) - done)
             pooled.record(k, k, min(acc, commit), commit)
             done += commit
-    return {"block_size": block_size, "prompts": len(prompts), "tokens": tokens,
-            "seconds": round(time.perf_counter() - t0, 2), "mode": "offline",
-            **pooled.to_dict()}
+    return {
+        "block_size": block_size,
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "mode": "offline",
+        **pooled.to_dict(),
+    }
 
 
 def eval_prompts(data_dir: Path, n: int) -> list[list[int]]:
@@ -172,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json-out", type=Path, default=None)
-    p.add_argument("--offline", action="store_true",
-                   help="derive the steps from the target's greedy output (no step loop)")
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="derive the steps from the target's greedy output (no step loop)",
+    )
     args = p.parse_args(argv)
     path = store.resolve(args.target)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from splitflash.models.dflash import DFlashDesyncError
 from splitflash.services.common.spec_stats import SpecStats
 from splitflash.services.verify.engine import TargetEngine, VerifyInput
 from splitflash.services.verify.sampling import Sampling
@@ -34,20 +35,32 @@ def generate_local(
     stop_ids=(),
     block_size: int = 8,
 ) -> Generation:
-    """Generate up to max_tokens; drafter None = target-only decoding."""
+    """Generate up to max_tokens; drafter None = target-only decoding.
+
+    A drafter with `add_features` (DFlash) is conditioned on the target: after every step the
+    kept rows' hidden features go to it (the engine must export its `target_layer_ids`), and
+    before every proposal its context length must equal the target's KV length."""
     rid = uuid.uuid4().hex
     t0 = time.perf_counter()
     stats = SpecStats()
     violations: list[str] = []
     report = engine.prefill(rid, prompt_ids, sampling, stop_ids, max_tokens)
     out = list(report.outcome.committed)
+    feeds = drafter is not None and hasattr(drafter, "add_features")
     try:
         if drafter is not None:
             drafter.open(rid, prompt_ids)
             drafter.extend(rid, out, len(prompt_ids) + len(out))
+            if feeds:
+                drafter.add_features(rid, report.feature_start, report.features)
         finished = report.finished
         while not finished:
             base_len = len(prompt_ids) + len(out)
+            if feeds and drafter.context_len(rid) != engine.cache.seq(rid).length:
+                raise DFlashDesyncError(
+                    f"drafter context {drafter.context_len(rid)} != target KV length "
+                    f"{engine.cache.seq(rid).length}"
+                )
             drafts = drafter.propose(rid, block_size - 1) if drafter is not None else []
             (report,) = engine.verify([VerifyInput(rid, base_len, drafts, max_tokens - len(out))])
             if report.error:
@@ -56,9 +69,11 @@ def generate_local(
             stats.record(o.draft_tokens, o.draft_tokens, o.accepted_drafts, o.commit_len)
             violations.extend(report.violations)
             out.extend(o.committed)
-            if drafter is not None:
-                drafter.extend(rid, o.committed, len(prompt_ids) + len(out))
             finished = report.finished
+            if drafter is not None and not finished:
+                drafter.extend(rid, o.committed, len(prompt_ids) + len(out))
+                if feeds:
+                    drafter.add_features(rid, report.feature_start, report.features)
     finally:
         engine.release(rid)
         if drafter is not None:

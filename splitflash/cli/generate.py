@@ -13,6 +13,7 @@ from splitflash.local import generate_local
 from splitflash.models import store
 from splitflash.models.kv_cache import PagedKVCache
 from splitflash.models.loading import load_target, load_tokenizer
+from splitflash.services.draft.dflash_drafter import default_drafter_path, load_proposer
 from splitflash.services.draft.ngram import NgramDrafter
 from splitflash.services.verify.engine import TargetEngine
 from splitflash.services.verify.sampling import Sampling
@@ -27,7 +28,13 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--target", default=store.DEFAULT_TARGET, help="model name or path")
-    p.add_argument("--drafter", default="ngram", choices=["ngram", "none"])
+    p.add_argument(
+        "--drafter",
+        default="ngram",
+        choices=["ngram", "dflash", "none"],
+        help="dflash: the target's shipped DFlash drafter (or --drafter-path)",
+    )
+    p.add_argument("--drafter-path", default=None, help="a DFlash checkpoint directory")
     p.add_argument("--no-spec", action="store_true", help="target-only decoding")
     p.add_argument("--block-size", type=int, default=8, help="draft block (anchor + drafts)")
     p.add_argument("--no-chat", action="store_true", help="send the prompt without chat template")
@@ -62,8 +69,20 @@ def run(args) -> int:
     cache = PagedKVCache(
         cfg.num_layers, 512, 16, cfg.num_kv_heads, cfg.head_dim, device=args.device
     )
-    engine = TargetEngine(model, cache)
-    drafter = None if args.no_spec or args.drafter == "none" else NgramDrafter()
+    drafter = None
+    if not args.no_spec and args.drafter == "ngram":
+        drafter = NgramDrafter()
+    elif not args.no_spec and args.drafter == "dflash":
+        drafter = load_proposer(
+            args.drafter_path or default_drafter_path(args.target),
+            model.embed_tokens,
+            model.lm_head.weight,
+            cfg.num_layers,
+            args.device,
+        )
+    # DFlash drafts from the target's hidden features: the engine exports those layers.
+    layers = drafter.target_layer_ids if hasattr(drafter, "target_layer_ids") else ()
+    engine = TargetEngine(model, cache, feature_layer_ids=layers)
     prompt_ids = encode_prompt(tokenizer, args.prompt, not args.no_chat)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
     torch.manual_seed(0)
