@@ -135,3 +135,23 @@ def test_missing_model_names_the_pull_command(tmp_path):
     )
     assert out.returncode == 2
     assert "splitflash models pull smollm2-135m" in out.stderr
+
+
+def _generate_json(*flags: str) -> dict:
+    cmd = [sys.executable, "-m", "splitflash", "generate", "Explain how a hash table works."]
+    out = subprocess.run(
+        [*cmd, "--max-tokens", "48", "--json", *flags],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def test_generate_cli_dflash_is_lossless_and_drafts_are_accepted(real_model_path):
+    """The shipped DFlash drafter through the one-process CLI: the same greedy tokens as
+    target-only decoding, with drafts accepted (commits of more than one token a step)."""
+    plain = _generate_json("--no-spec")
+    spec = _generate_json("--drafter", "dflash", "--block-size", "8")
+    assert spec["token_ids"] == plain["token_ids"]
+    stats = spec["speculative_decoding_stats"]
+    assert stats["draft_tokens"] > 0 and stats["accepted_drafts"] > 0, stats
+    assert stats["steps"] < len(spec["token_ids"]) - 1  # fewer steps than tokens decoded
