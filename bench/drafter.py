@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from splitflash.local import generate_local
+from splitflash.local import generate_local, open_local
 from splitflash.services.common.spec_stats import SpecStats
 from splitflash.services.verify.engine import TargetEngine
 from splitflash.services.verify.sampling import Sampling
@@ -138,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from splitflash.cli.generate import stop_token_ids
     from splitflash.models import store
-    from splitflash.models.kv_cache import PagedKVCache
-    from splitflash.models.loading import load_target, load_tokenizer
     from splitflash.services.draft.dflash_drafter import default_drafter_path, load_proposer
 
     p = argparse.ArgumentParser(prog="python -m bench.drafter", description=__doc__)
@@ -157,10 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         help="derive the steps from the target's greedy output (no step loop)",
     )
     args = p.parse_args(argv)
-    path = store.resolve(args.target)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = load_target(path, device=args.device, dtype=dtype)
-    cfg, tokenizer = model.cfg, load_tokenizer(path)
+    engine, tokenizer = open_local(args.target, args.device, dtype, kv_pages=1024)
+    model, cfg = engine.model, engine.model.cfg
     proposer = load_proposer(
         args.drafter or default_drafter_path(args.target),
         model.embed_tokens,
@@ -169,10 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         args.device,
         dtype,
     )
-    cache = PagedKVCache(
-        cfg.num_layers, 1024, 16, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=args.device
-    )
-    engine = TargetEngine(model, cache, feature_layer_ids=proposer.target_layer_ids)
+    engine.feature_layer_ids = proposer.target_layer_ids
     prompts = eval_prompts(args.data, args.n_prompts)
     stops = stop_token_ids(tokenizer, cfg)
     results = [

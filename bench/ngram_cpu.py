@@ -12,13 +12,10 @@ import argparse
 import json
 
 from splitflash.cli.generate import encode_prompt, stop_token_ids
-from splitflash.local import generate_local
+from splitflash.local import generate_local, open_local
 from splitflash.models import store
-from splitflash.models.kv_cache import PagedKVCache
-from splitflash.models.loading import load_target, load_tokenizer
 from splitflash.services.common.spec_stats import SpecStats
 from splitflash.services.draft.ngram import NgramDrafter
-from splitflash.services.verify.engine import TargetEngine
 
 PROMPTS = [
     "Repeat the following list exactly three times, one item per line: apples, pears, "
@@ -34,15 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
-    path = store.resolve(store.DEFAULT_TARGET)
-    model = load_target(path, device=args.device)
-    tok = load_tokenizer(path)
-    cfg = model.cfg
-    cache = PagedKVCache(
-        cfg.num_layers, 256, 16, cfg.num_kv_heads, cfg.head_dim, device=args.device
-    )
-    engine = TargetEngine(model, cache)
-    stops = stop_token_ids(tok, cfg)
+    engine, tok = open_local(store.DEFAULT_TARGET, args.device, kv_pages=256)
+    stops = stop_token_ids(tok, engine.model.cfg)
     seconds = {"target_only": 0.0, "ngram": 0.0}
     tokens = {"target_only": 0, "ngram": 0}
     pooled = SpecStats()

@@ -7,7 +7,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch
+
+from splitflash.models import store
 from splitflash.models.dflash import DFlashDesyncError
+from splitflash.models.kv_cache import PagedKVCache
+from splitflash.models.loading import load_target, load_tokenizer
 from splitflash.services.common.spec_stats import SpecStats
 from splitflash.services.verify.engine import TargetEngine, VerifyInput
 from splitflash.services.verify.sampling import Sampling
@@ -24,6 +29,19 @@ class Generation:
     @property
     def tokens_per_second(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+def open_local(
+    target: str, device: str = "cpu", dtype: torch.dtype = torch.float32, kv_pages: int = 512
+):
+    """(TargetEngine, tokenizer) of a model name or path on one device, with a KV pool of
+    kv_pages pages of 16 tokens. A DFlash caller sets engine.feature_layer_ids afterwards."""
+    path = store.resolve(target)
+    model = load_target(path, device=device, dtype=dtype)
+    cfg = model.cfg
+    cache = PagedKVCache(cfg.num_layers, kv_pages, 16, cfg.num_kv_heads, cfg.head_dim,
+                         dtype=dtype, device=device)  # fmt: skip
+    return TargetEngine(model, cache), load_tokenizer(path)
 
 
 def generate_local(

@@ -9,13 +9,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from splitflash.local import generate_local
+from splitflash.local import generate_local, open_local
 from splitflash.models import store
-from splitflash.models.kv_cache import PagedKVCache
-from splitflash.models.loading import load_target, load_tokenizer
 from splitflash.services.draft.dflash_drafter import default_drafter_path, load_proposer
 from splitflash.services.draft.ngram import NgramDrafter
-from splitflash.services.verify.engine import TargetEngine
 from splitflash.services.verify.sampling import Sampling
 
 
@@ -62,13 +59,8 @@ def stop_token_ids(tokenizer, cfg) -> set[int]:
 def run(args) -> int:
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
-    path = store.resolve(args.target)
-    model = load_target(path, device=args.device)
-    tokenizer = load_tokenizer(path)
-    cfg = model.cfg
-    cache = PagedKVCache(
-        cfg.num_layers, 512, 16, cfg.num_kv_heads, cfg.head_dim, device=args.device
-    )
+    engine, tokenizer = open_local(args.target, args.device)
+    model, cfg = engine.model, engine.model.cfg
     drafter = None
     if not args.no_spec and args.drafter == "ngram":
         drafter = NgramDrafter()
@@ -81,8 +73,7 @@ def run(args) -> int:
             args.device,
         )
     # DFlash drafts from the target's hidden features: the engine exports those layers.
-    layers = drafter.target_layer_ids if hasattr(drafter, "target_layer_ids") else ()
-    engine = TargetEngine(model, cache, feature_layer_ids=layers)
+    engine.feature_layer_ids = getattr(drafter, "target_layer_ids", ())
     prompt_ids = encode_prompt(tokenizer, args.prompt, not args.no_chat)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
     torch.manual_seed(0)

@@ -23,9 +23,9 @@ from splitflash.parallel import (
     shard_target,
     unpack_forward,
 )
-from splitflash.services.verify.engine import TargetEngine, VerifyInput
-from splitflash.services.verify.sampling import Sampling
+from splitflash.services.verify.engine import TargetEngine
 from tests.conftest import tiny_model
+from tests.integration.engine_steps import greedy_oracle, steps_with_drafts
 
 WORLD = 2
 PAGES, PAGE = 64, 4
@@ -118,23 +118,7 @@ def _forward_worker(rank: int, world: int) -> dict:
 # --- driving the engine ----------------------------------------------------------------
 def _generate(engine: TargetEngine, oracle: dict[str, list[int]]) -> list:
     """Prefill 2 prompts, then verify steps with drafts cut from the oracle (some wrong)."""
-    vocab = engine.model.cfg.vocab_size
-    records = []
-    for rid in oracle:
-        rep = engine.prefill(rid, PROMPTS[rid], Sampling(), (), 10_000)
-        records.append((rid, rep.outcome.committed, rep.features))
-    for step, k in enumerate(DRAFT_LENS):
-        items = []
-        for rid, seq in engine.seqs.items():
-            n = len(seq.tokens)
-            drafts = list(oracle[rid][n : n + k])
-            if step % 2 and drafts:
-                drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % vocab
-            items.append(VerifyInput(rid, n, drafts, 10_000))
-        for rep in engine.verify(items):
-            assert rep.error is None and not rep.violations
-            records.append((rep.request_id, rep.outcome.committed, rep.features))
-    return records
+    return steps_with_drafts(engine, PROMPTS, oracle, DRAFT_LENS)
 
 
 def _engine_worker(rank: int, world: int, family: str, oracle, device: str) -> dict:
@@ -155,12 +139,7 @@ def _engine_worker(rank: int, world: int, family: str, oracle, device: str) -> d
 def _oracle(model, device="cpu") -> dict[str, list[int]]:
     """Target-only greedy (no drafts) of prompts a and b, NEW_TOKENS tokens each."""
     engine = TargetEngine(model, _cache(model, model.cfg.num_kv_heads, device))
-    rids = ["a", "b"]
-    for rid in rids:
-        engine.prefill(rid, PROMPTS[rid], Sampling(), (), 10_000)
-    for _ in range(NEW_TOKENS - 1):
-        engine.verify([VerifyInput(r, len(engine.seqs[r].tokens), [], 10_000) for r in rids])
-    return {rid: engine.seqs[rid].tokens for rid in rids}
+    return greedy_oracle(engine, {rid: PROMPTS[rid] for rid in ("a", "b")}, NEW_TOKENS)
 
 
 def _check_generation(family: str, device: str, atol: float) -> None:

@@ -23,6 +23,7 @@ from splitflash.services.verify.loader import load_engine
 from splitflash.services.verify.sampling import Sampling
 from splitflash.services.verify.server import VerifyServer
 from splitflash.services.verify.tp_engine import TPTargetEngine
+from tests.integration.engine_steps import greedy_oracle, steps_with_drafts
 from tests.integration.test_multiworker import write_tiny_checkpoint
 
 PROMPTS = {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]}
@@ -57,11 +58,7 @@ def settings(path, **overrides) -> VerifySettings:
 
 def oracle(engine: TargetEngine) -> dict[str, list[int]]:
     """Target-only greedy (no drafts) of every prompt, NEW_TOKENS tokens each."""
-    for rid, prompt in PROMPTS.items():
-        engine.prefill(rid, prompt, Sampling(), (), 10_000)
-    for _ in range(NEW_TOKENS - 1):
-        engine.verify([VerifyInput(r, len(engine.seqs[r].tokens), [], 10_000) for r in PROMPTS])
-    tokens = {rid: engine.seqs[rid].tokens for rid in PROMPTS}
+    tokens = greedy_oracle(engine, PROMPTS, NEW_TOKENS)
     for rid in PROMPTS:
         engine.release(rid)
     return tokens
@@ -69,22 +66,7 @@ def oracle(engine: TargetEngine) -> dict[str, list[int]]:
 
 def generate(engine: TargetEngine, want: dict[str, list[int]]) -> list:
     """Prefill, then verify steps with drafts cut from `want` (some wrong) -> commits."""
-    vocab = engine.model.cfg.vocab_size
-    records = []
-    for rid, prompt in PROMPTS.items():
-        records.append((rid, engine.prefill(rid, prompt, Sampling(), (), 10_000).outcome.committed))
-    for step, k in enumerate(DRAFT_LENS):
-        items = []
-        for rid, seq in engine.seqs.items():
-            n = len(seq.tokens)
-            drafts = list(want[rid][n : n + k])
-            if step % 2 and drafts:
-                drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % vocab
-            items.append(VerifyInput(rid, n, drafts, 10_000))
-        for rep in engine.verify(items):
-            assert rep.error is None and not rep.violations
-            records.append((rep.request_id, rep.outcome.committed))
-    return records
+    return [(rid, c) for rid, c, _ in steps_with_drafts(engine, PROMPTS, want, DRAFT_LENS)]
 
 
 def assert_gone(procs) -> None:
