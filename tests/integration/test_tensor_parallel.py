@@ -27,6 +27,8 @@ from splitflash.services.verify.engine import TargetEngine
 from tests.conftest import tiny_model
 from tests.integration.engine_steps import greedy_oracle, steps_with_drafts
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/integration/conftest.py
+
 WORLD = 2
 PAGES, PAGE = 64, 4
 HIDDEN_IDS = (0, 2)
@@ -173,14 +175,6 @@ def _failing_worker(rank: int, world: int) -> int:
 
 
 # --- tests -----------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The tiny references run here while the ranks run beside them: more threads than
-    # cores make OpenMP spin-wait (seconds per step on a loaded 2-core box, not ms).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family,vocab", [("llama", 98), ("qwen3", 97)])

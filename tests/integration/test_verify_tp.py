@@ -26,6 +26,8 @@ from splitflash.services.verify.tp_engine import TPTargetEngine
 from tests.integration.engine_steps import greedy_oracle, steps_with_drafts
 from tests.integration.test_multiworker import write_tiny_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/integration/conftest.py
+
 PROMPTS = {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]}
 DRAFT_LENS = (3, 5, 0, 2, 4, 1)  # drafts per verify step; odd steps get one wrong token
 NEW_TOKENS = 30  # target-only greedy tokens: the oracle the drafts are cut from
@@ -35,17 +37,6 @@ NEW_TOKENS = 30  # target-only greedy tokens: the oracle the drafts are cut from
 def checkpoint(tmp_path_factory):
     # 4 heads, 2 kv heads, MLP 128 (tiny_config): 2 ranks split them; V = 97 pads a shard.
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tp"), vocab=97)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The tp_size=1 reference runs on one thread too: on a loaded 2-core box OpenMP's
-    # spin-waits cost seconds per step. TP ranks set cores // tp_size themselves (rank 0
-    # is this process), so the count is restored after each test.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def settings(path, **overrides) -> VerifySettings:
