@@ -64,9 +64,18 @@ class VerifyGraphs:
                 f"the cache has {len(cache.scratch_page_ids)} (PagedKVCache(scratch_pages=...))"
             )
         self.model, self.cache = model, cache
+        self.device = model.embed_tokens.weight.device
+        # A padding request, built once: positions 0..63 [64], their slots [64] on the scratch
+        # pages, and the page-table row of those pages [pad_pages] int32.
+        pages = torch.tensor(cache.scratch_page_ids[:pad_pages], device=self.device)
+        self._pad_positions = torch.arange(MAX_TREE_Q, device=self.device)
+        self._pad_slots = (
+            pages[self._pad_positions // cache.page_size] * cache.page_size
+            + self._pad_positions % cache.page_size
+        )
+        self._pad_pages = pages.to(torch.int32)
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.max_graphs = max_graphs
-        self.device = model.embed_tokens.weight.device
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.capture = capture
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -146,18 +155,12 @@ class VerifyGraphs:
         sm.kv_lens[:b].copy_(m.kv_lens)
         sm.page_table[:b].zero_()
         sm.page_table[:b, : m.page_table.shape[1]].copy_(m.page_table)
-        if b < b_pad:
-            scratch = self.cache.scratch_page_ids[: self.cache.pages_for(q)]
-            pad_slots = torch.arange(q, device=self.device)  # positions 0..Q-1 of a dummy
-            page = torch.tensor(scratch, dtype=torch.long, device=self.device)
-            pad_slots = page[pad_slots // self.cache.page_size] * self.cache.page_size + (
-                pad_slots % self.cache.page_size
-            )
+        if b < b_pad:  # dummies: Q tokens at positions 0..Q-1 on the scratch pages
             static.token_ids[n:].zero_()
-            static.positions[n:].copy_(torch.arange(q, device=self.device).repeat(b_pad - b))
-            static.slots[n:].copy_(pad_slots.repeat(b_pad - b))
+            static.positions[n:].copy_(self._pad_positions[:q].repeat(b_pad - b))
+            static.slots[n:].copy_(self._pad_slots[:q].repeat(b_pad - b))
             sm.kv_lens[b:].fill_(q)
-            sm.page_table[b:, : len(scratch)].copy_(page.to(torch.int32))
+            sm.page_table[b:, : len(self._pad_pages)].copy_(self._pad_pages)
 
     def _capture(self, key: tuple, batch: ForwardBatch) -> _Captured:
         while len(self._graphs) >= self.max_graphs:
