@@ -37,7 +37,7 @@ def _elapsed() -> float:
     return time.monotonic() - T0
 
 
-def _inputs(batch, kv_len, q_len, shape, dtype, cuda):
+def _inputs(batch, kv_len, q_len, shape, dtype, cuda, layout="head"):
     """(q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits) as bench.kernels builds
     them; on CPU (smoke) the same layout, built here."""
     import torch
@@ -47,7 +47,7 @@ def _inputs(batch, kv_len, q_len, shape, dtype, cuda):
 
         gen = torch.Generator(device="cuda").manual_seed(0)
         return _paged_inputs(batch, kv_len, q_len, shape["heads"], shape["kv_heads"],
-                             shape["head_dim"], shape["page"], dtype, gen)  # fmt: skip
+                             shape["head_dim"], shape["page"], dtype, gen, layout)  # fmt: skip
     n_pp = -(-kv_len // shape["page"])
     kv = (batch * n_pp, shape["page"], shape["kv_heads"], shape["head_dim"])
     chain = [(1 << (i + 1)) - 1 - (1 << 64) * (i == 63) for i in range(q_len)]  # int64
@@ -101,7 +101,7 @@ def compile_jobs(point_rows, shape, device):
                 if k not in kernels or (r["splits"] > 1 and c not in combines):
                     kernels.add(k)
                     combines.add(c)
-                    jobs.append((cfg, q_len, r["splits"]))
+                    jobs.append((cfg, q_len, r["splits"], shape))
     return jobs
 
 
@@ -113,9 +113,9 @@ def _compile_job(job):
 
         from splitflash.kernels.paged_attention import paged_attention_triton
 
-        cfg, q_len, splits = job
+        cfg, q_len, splits, shape = job
         kv_len = 256 * splits
-        args = _inputs(1, kv_len, q_len, SHAPE, torch.bfloat16, cuda=True)
+        args = _inputs(1, kv_len, q_len, shape, torch.bfloat16, cuda=True)
         paged_attention_triton(*args, 0.088, config=tuple(cfg), num_splits=splits,
                                max_kv_len=kv_len, max_q_len=q_len)  # fmt: skip
         torch.cuda.synchronize()
@@ -169,7 +169,7 @@ def time_row(row, point, inputs, ref, scale, rep, cuda):
 
             if row["config"] == "auto":
                 tuned = pa._tuned_kernel(pa.config_set_for(torch.cuda.get_device_capability()))
-                row["picked"] = str(tuned.best_config)
+                row["picked"] = str(getattr(tuned, "best_config", "a measured pick"))
             row["ms"] = float(do_bench_cudagraph(fn, rep=rep))
         else:
             t = time.perf_counter()
@@ -202,6 +202,8 @@ def run(args) -> dict:
         raise SystemExit("kernel_sweep needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
     device = torch.device("cuda" if cuda else "cpu")
     shape = SHAPE if cuda else SMOKE_SHAPE
+    if args.shape:
+        shape = dict(shape, **dict(zip(("heads", "kv_heads", "head_dim"), args.shape, strict=True)))
     dtype = torch.bfloat16 if cuda else torch.float32
     if args.smoke:  # one 8-warp config: 64- and 128-row tiles, tails, several splits
         configs, waves, rep, points, control = [(32, 8, 1)], (1, 2), 1, SMOKE_POINTS, (1, 200, 1)
@@ -209,6 +211,7 @@ def run(args) -> dict:
         configs = QUICK if args.quick else CANDIDATES
         waves = QUICK_WAVES if args.quick else WAVES
         points, control = QUICK_POINTS if args.quick else POINTS, CONTROL
+        points = args.points or points
         rep = args.rep or (10.0 if args.quick else 15.0)
     deadline = args.time_limit - 3.0  # leave time for the summary and the JSON
     auto = not args.quick  # autotuning a point costs ~1 s plus compiles: not in --quick
@@ -234,7 +237,7 @@ def run(args) -> dict:
             truncated = True
             break
         batch, kv_len, q_len = point
-        inputs = _inputs(batch, kv_len, q_len, shape, dtype, cuda)
+        inputs = _inputs(batch, kv_len, q_len, shape, dtype, cuda, args.layout)
         ref = paged_attention_ref(*inputs, scale)
         kv_bytes = 2 * batch * kv_len * shape["kv_heads"] * shape["head_dim"] * dtype.itemsize
         for row in rows:
@@ -267,7 +270,8 @@ def run(args) -> dict:
               for r in all_rows if "error" in r or r.get("suspect")]  # fmt: skip
     device = torch.cuda.get_device_name() if cuda else "cpu (interpreter)"
     best = [dict(point=list(p), best=b, auto=a) for p, b, a in best_rows]
-    return dict(device=device, copy_gbps=copy_gbps, shape=shape, truncated=truncated,
+    return dict(device=device, copy_gbps=copy_gbps, shape=shape, layout=args.layout,
+                truncated=truncated,
                 notes=notes, elapsed_s=_elapsed(), rows=all_rows, best=best)  # fmt: skip
 
 
@@ -279,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=140.0, help="seconds from start")
     ap.add_argument("--rep", type=float, default=None, help="do_bench_cudagraph rep, ms "
                     "(default 15, --quick 10)")  # fmt: skip
+    ap.add_argument("--shape", type=lambda t: tuple(int(x) for x in t.split(",")),
+                    help="H,H_KV,D instead of 32,8,128 (e.g. 9,3,64: SmolLM2-135M)")
+    ap.add_argument("--points", nargs="+", help="B:KV:Q points instead of the default set",
+                    type=lambda t: tuple(int(x) for x in t.split(":")))
+    ap.add_argument("--layout", default="head", choices=["head", "token"],
+                    help="page storage: head-major (PagedKVCache's) or token-major")
     ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)))
     a = ap.parse_args(argv)
     if a.smoke and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):

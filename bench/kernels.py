@@ -42,15 +42,24 @@ def measure_copy_gbps(n_bytes: int = 1 << 31) -> float:
     return 2 * n_bytes / (ms * 1e-3) / 1e9
 
 
-def _paged_inputs(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, gen):
-    """Random paged batch; pages are handed out in shuffled order (a fragmented pool)."""
+def _paged_inputs(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, gen,
+                  layout="head"):  # fmt: skip
+    """Random paged batch; pages are handed out in shuffled order (a fragmented pool).
+    layout "head": pages stored [P, H_KV, S, D] (PagedKVCache's storage), passed as
+    [P, S, H_KV, D] views; "token": stored [P, S, H_KV, D]."""
     import torch
 
     pages_per_req = -(-kv_len // page)
     n_pages = batch * pages_per_req
+    if layout not in ("head", "token"):
+        raise ValueError(f"layout must be 'head' or 'token', got {layout!r}")
     shape = (n_pages, page, kv_heads, head_dim)
+    if layout == "head":
+        shape = (n_pages, kv_heads, page, head_dim)
     k_pages = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
     v_pages = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    if layout == "head":
+        k_pages, v_pages = k_pages.transpose(1, 2), v_pages.transpose(1, 2)
     order = torch.randperm(n_pages, device="cuda", generator=gen).to(torch.int32)
     page_table = order.view(batch, pages_per_req)
     kv_lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
@@ -71,7 +80,7 @@ def _sdpa_case(q, k_pages, v_pages, page_table, batch, kv_len, q_len):
     idx = page_table.long().flatten()
 
     def gather(pages):  # [P, S, H_KV, D] -> [B, H_KV, L, D]
-        flat = pages.index_select(0, idx).view(batch, -1, kv_heads, head_dim)[:, :kv_len]
+        flat = pages.index_select(0, idx).reshape(batch, -1, kv_heads, head_dim)[:, :kv_len]
         return flat.transpose(1, 2).contiguous()
 
     k, v = gather(k_pages), gather(v_pages)
@@ -84,19 +93,21 @@ def _sdpa_case(q, k_pages, v_pages, page_table, batch, kv_len, q_len):
     return qs, k, v, mask
 
 
-def _bench_one(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, with_sdpa):
+def _bench_one(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, with_sdpa,
+               layout="head"):  # fmt: skip
     import torch
     import torch.nn.functional as F
 
     from splitflash.kernels.paged_attention import paged_attention_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    args = _paged_inputs(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, gen)
+    args = _paged_inputs(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, gen,
+                         layout)  # fmt: skip
     q, k_pages, v_pages, page_table = args[:4]
     scale = head_dim**-0.5
     kv_bytes = 2 * batch * kv_len * kv_heads * head_dim * k_pages.element_size()
     row = dict(batch=batch, kv_len=kv_len, q_len=q_len, heads=heads, kv_heads=kv_heads,
-               head_dim=head_dim, page_size=page, kv_bytes=kv_bytes)  # fmt: skip
+               head_dim=head_dim, page_size=page, kv_bytes=kv_bytes, layout=layout)  # fmt: skip
     known = dict(max_kv_len=kv_len, max_q_len=q_len)  # what a scheduler passes: no host sync
 
     def triton_fn():
@@ -134,6 +145,7 @@ def run_kernel_bench(
     dtype: str = "bfloat16",
     with_sdpa: bool = True,
     print_table: bool = True,
+    layout: str = "head",
 ) -> list[dict]:
     """Rows of {batch, kv_len, q_len, kv_bytes, triton_ms/gbps, sdpa_ms/gbps, copy_gbps,
     triton_vs_copy, triton_vs_sdpa}. Raises RuntimeError without CUDA."""
@@ -150,7 +162,7 @@ def run_kernel_bench(
         for kv_len in kv_lens:
             for q_len in q_lens:
                 row = _bench_one(batch, kv_len, q_len, heads, kv_heads, head_dim, page_size,
-                                 torch_dtype, with_sdpa)  # fmt: skip
+                                 torch_dtype, with_sdpa, layout)  # fmt: skip
                 row.update(device=device, capability=f"sm_{cap[0]}{cap[1]}", dtype=dtype,
                            copy_gbps=copy_gbps)  # fmt: skip
                 row["triton_vs_copy"] = row["triton_gbps"] / copy_gbps
@@ -201,9 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--layout", default="head", choices=["head", "token"],
+                    help="page storage: head-major (PagedKVCache's) or token-major")
     a = ap.parse_args(argv)
     rows = run_kernel_bench(a.batch_sizes, a.kv_lens, a.q_lens, a.heads, a.kv_heads,
-                            a.head_dim, a.page_size, a.dtype, not a.no_sdpa)  # fmt: skip
+                            a.head_dim, a.page_size, a.dtype, not a.no_sdpa,
+                            layout=a.layout)  # fmt: skip
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(rows, indent=2))
     print(f"wrote {len(rows)} rows to {a.out}")

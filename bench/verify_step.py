@@ -99,7 +99,33 @@ def _engine_step_ms(engine, batch: int, q_len: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(context: int, batch: int, q_len: int, copy_gbps: float, reps: int, page: int = 16):
+def kernel_profile(fn, steps: int = 5, top: int = 14) -> dict:
+    """GPU time per step of each kernel (torch.profiler/CUPTI) over `steps` calls of fn:
+    where a step's time goes. Kernel durations are the same eager or replayed; the gap
+    between their sum and the graph's wall time is launch/dependency latency."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_name.setdefault(ev.name[:60], []).append(ev.device_time_total / steps)
+    rows = sorted(((sum(t), len(t) / steps, n) for n, t in per_name.items()), reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"    kernels per step: {sum(r[1] for r in rows):.0f}, GPU busy {total / 1e3:.3f} ms")
+    for us, count, name in rows[:top]:
+        print(f"    {us:9.1f} us {count:5.0f}x  {name}")
+    return dict(busy_ms=total / 1e3, kernels=[dict(us=u, count=c, name=n) for u, c, n in rows])
+
+
+def measure(context: int, batch: int, q_len: int, copy_gbps: float, reps: int, page: int = 16,
+            profile: bool = False):
     """One row: eager and graphed step times at `context` keys per request."""
     import torch
 
@@ -124,13 +150,20 @@ def measure(context: int, batch: int, q_len: int, copy_gbps: float, reps: int, p
         saved, engine.graphs = engine.graphs, None
         eager_step_ms = _engine_step_ms(engine, batch, q_len, reps)
         engine.graphs = saved
+        prof = None
+        if profile:
+            print(f"  profile ctx {context} B {batch} q {q_len}, eager forward:")
+            prof = kernel_profile(lambda: engine.model(batch_in, cache, None, ids))
+            if entry.graph:  # CUPTI may or may not see the kernels inside a replay
+                print("  graph replay:")
+                prof["replay"] = kernel_profile(entry.graph.replay, top=4)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_bytes = batch * context * cfg.kv_bytes_per_token(2)
     floor_ms = (weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e3
     row = dict(context=context, batch=batch, q_len=q_len, eager_ms=eager_ms, graph_ms=graph_ms,
                replay_ms=replay_ms, step_ms=step_ms, eager_step_ms=eager_step_ms,
                weight_mb=weight_bytes / 1e6, kv_mb=kv_bytes / 1e6,
-               floor_ms=floor_ms, graph_over_floor=graph_ms / floor_ms)  # fmt: skip
+               floor_ms=floor_ms, graph_over_floor=graph_ms / floor_ms, profile=prof)  # fmt: skip
     return row
 
 
@@ -145,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--q-lens", type=int, nargs="+", default=[16, 1])
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--profile", action="store_true", help="per-kernel GPU time of a step")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.verify_step needs a CUDA GPU")
@@ -155,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in args.contexts:
         for b in args.batches:
             for q in args.q_lens:
-                r = measure(ctx, b, q, copy, args.reps)
+                r = measure(ctx, b, q, copy, args.reps, profile=args.profile)
                 torch.cuda.empty_cache()  # the last engine's KV pool is garbage now
                 rows.append(r)
                 print(f"[{time.perf_counter() - t0:6.1f}s] ctx {ctx} B {b} q {q}: eager "

@@ -1,4 +1,5 @@
-"""Pick the Triton kernel or the torch reference for the fused norm and RoPE + KV-write.
+"""Pick the Triton kernel or the torch reference for the fused norm, RoPE + KV-write and SwiGLU
+activation.
 
 Same rule and logging as `splitflash.kernels.dispatch` (whose helpers are reused): Triton on
 CUDA tensors or with SPLITFLASH_FORCE_TRITON=1, the reference otherwise, the choice logged
@@ -52,3 +53,20 @@ def rope_kv_write(
 
     _announce("rope_kv_write", "torch reference", reason)
     return rope_kv_write_ref(q, k, v, cos, sin, k_pages, v_pages, slots)
+
+
+def silu_mul(gate_up: torch.Tensor, hidden: int) -> torch.Tensor:
+    """gate_up [..., 2I] (gate | up) -> silu(gate) * up [..., I]. The kernel has no backward:
+    a tensor that needs gradients (drafter training reuses the MLP) takes the reference."""
+    triton_ok, reason = use_triton(gate_up)
+    if triton_ok and gate_up.requires_grad:
+        triton_ok, reason = False, "input needs gradients (the kernel has no backward)"
+    if triton_ok:
+        from splitflash.kernels.silu_mul import silu_mul_triton
+
+        _announce("silu_mul", "triton", reason)
+        return silu_mul_triton(gate_up, hidden)
+    from splitflash.kernels.silu_mul import silu_mul_ref
+
+    _announce("silu_mul", "torch reference", reason)
+    return silu_mul_ref(gate_up, hidden)

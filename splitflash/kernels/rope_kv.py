@@ -69,9 +69,11 @@ def rope_kv_write_ref(
     check_rope_inputs(q, k, v, cos, sin, k_pages, v_pages, slots)
     n, _, head_dim = q.shape
     cos, sin = cos.reshape(n, 1, head_dim), sin.reshape(n, 1, head_dim)
-    # view (not flatten) so non-contiguous pages raise instead of writing into a copy.
-    k_pages.view(-1, *k_pages.shape[2:])[slots] = _rotate(k, cos, sin).to(k_pages.dtype)
-    v_pages.view(-1, *v_pages.shape[2:])[slots] = v.to(v_pages.dtype)
+    # (page, slot) indexing writes in place through any page layout (the cache's pages are
+    # head-major views); flattening a strided view would write into a copy.
+    page, slot = slots // k_pages.shape[1], slots % k_pages.shape[1]
+    k_pages[page, slot] = _rotate(k, cos, sin).to(k_pages.dtype)
+    v_pages[page, slot] = v.to(v_pages.dtype)
     return _rotate(q, cos, sin)
 
 

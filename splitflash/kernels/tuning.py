@@ -165,6 +165,12 @@ class SplitPlan:
 # - q 17..64 (128-row tiles at q 32+, 8 warps): 1. One 256-thread program per SM.
 DEFAULT_WAVES: dict[int, float | None] = {1: None, 16: 2.0, 64: 1.0}
 
+# Measured picks that replace autotuning, per config set and q_len bucket. q_len 1 on the
+# H200: (64, 4, 3) with the legacy split rule was the fastest config at every point of two
+# sweeps (B 1/8, kv 8k-185k, D 64/128; bench/RESULTS.md), while autotuning's noisy timings
+# picked (64, 4, 4) and lost 3-5% of bandwidth.
+MEASURED_PICKS: dict[str, dict[int, _TileConfig]] = {"hopper": {1: (64, 4, 3)}}
+
 
 def default_waves(max_q_len: int) -> float | None:
     """DEFAULT_WAVES entry of the smallest bucket >= max_q_len (the largest past the end)."""
@@ -250,6 +256,8 @@ def plan_launch(
         config = INTERPRETER_CONFIG
     if config is None:
         config = env_config()
+    if config is None and not interp:
+        config = MEASURED_PICKS.get(config_set_for(cap), {}).get(q_bucket(max_q_len))
     if config is not None:
         config = tuple(config)
         wide_ok = config[1] >= WIDE_M_MIN_WARPS

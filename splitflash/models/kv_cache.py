@@ -49,9 +49,14 @@ class PagedKVCache:
         # Scratch pages sit past the pool and are never handed out: CUDA-graph padding rows
         # write their K/V there, so padding never costs a request a page or shows as used.
         self.scratch_page_ids = list(range(num_pages, num_pages + scratch_pages))
-        shape = (num_layers, num_pages + scratch_pages, page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, H_KV, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Stored head-major inside a page ([L, P, H_KV, S, D]): one KV head's keys of a page
+        # are one contiguous run of S*D elements, so attention (one program per KV head)
+        # streams 2 KiB runs instead of D-element rows strided by H_KV*D. Measured on the
+        # H200 at SmolLM2's 3 KV heads of 64: 128-byte rows reached 0.69 of copy bandwidth
+        # (bench/RESULTS.md). k / v are [L, P, S, H_KV, D] views: kernels take strides.
+        shape = (num_layers, num_pages + scratch_pages, num_kv_heads, page_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3)
+        self.v = torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3)
         # Stack of free pages, popped from the end: low ids first for a fresh pool.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self.seqs: dict[str, SequenceKV] = {}
@@ -131,8 +136,14 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [N, H_KV, D] written at flat slots [N]."""
-        self.k[layer].view(-1, *self.k.shape[3:])[slots] = k.to(self.k.dtype)
-        self.v[layer].view(-1, *self.v.shape[3:])[slots] = v.to(self.v.dtype)
+        page, slot = slots // self.page_size, slots % self.page_size
+        self.k[layer][page, slot] = k.to(self.k.dtype)
+        self.v[layer][page, slot] = v.to(self.v.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [N, H_KV, D] at flat slots [N] (copies)."""
+        page, slot = slots // self.page_size, slots % self.page_size
+        return self.k[layer][page, slot], self.v[layer][page, slot]
 
     def move(self, seq_id: str, src_positions: list[int], dst_start: int) -> None:
         """Copy the K/V of `src_positions` to consecutive positions from `dst_start`, every
@@ -141,9 +152,10 @@ class PagedKVCache:
             return
         src = self.slots_of(seq_id, src_positions)
         dst = self.slots(seq_id, dst_start, dst_start + len(src_positions))
-        for cache in (self.k, self.v):
-            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
-            flat[:, dst] = flat[:, src].clone()
+        src_page, src_slot = src // self.page_size, src % self.page_size
+        dst_page, dst_slot = dst // self.page_size, dst % self.page_size
+        for cache in (self.k, self.v):  # [L, P, S, H_KV, D]
+            cache[:, dst_page, dst_slot] = cache[:, src_page, src_slot].clone()
 
     def slots_of(self, seq_id: str, positions: list[int]) -> torch.Tensor:
         pages = torch.tensor(self.seq(seq_id).pages, dtype=torch.long)

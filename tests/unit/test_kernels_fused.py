@@ -284,3 +284,70 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch, caplog):
     assert torch.equal(out, rms_norm_ref(**norm))
     assert torch.equal(q_rot, apply_rope(q, cos, sin))
     assert torch.equal(k_pages.view(-1, 2, 64)[40], apply_rope(k, cos, sin)[0])
+
+
+# --- SwiGLU activation (silu(gate) * up) --------------------------------------------------
+
+# (gate_up shape, strided): I in {64, 100, 1536}; 3-D rows as drafter training feeds them.
+SILU_CASES = [((1, 128), False), ((7, 200), True), ((113, 3072), False), ((2, 5, 128), False)]
+SILU_IDS = ["x".join(map(str, c[0])) + ("-strided" if c[1] else "") for c in SILU_CASES]
+
+
+def make_silu_case(shape, strided, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # Gates from -12 to 12 cover silu's saturated tails as well as its bend.
+    wide = torch.randn(*shape[:-1], shape[-1] + (9 if strided else 0), generator=gen) * 4
+    return wide.clamp(-12, 12).to(dtype=dtype, device=DEVICE)[..., : shape[-1]]
+
+
+def silu_oracle(gate_up):
+    g, u = gate_up.double().cpu().chunk(2, dim=-1)
+    return g * torch.sigmoid(g) * u
+
+
+@needs_triton
+@DTYPES
+@pytest.mark.parametrize("shape,strided", SILU_CASES, ids=SILU_IDS)
+def test_silu_mul_kernel_matches_oracle(shape, strided, dtype):
+    from splitflash.kernels.silu_mul import silu_mul_ref, silu_mul_triton
+
+    gate_up = make_silu_case(shape, strided, dtype, seed=shape[-1])
+    hidden = shape[-1] // 2
+    got = silu_mul_triton(gate_up, hidden)
+    assert got.dtype == dtype and got.shape == (*shape[:-1], hidden)
+    check_rule(got, silu_mul_ref(gate_up, hidden), silu_oracle(gate_up), dtype, "silu_mul")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape,strided", SILU_CASES, ids=SILU_IDS)
+def test_silu_mul_kernel_matches_oracle_bf16_gpu(shape, strided):
+    from splitflash.kernels.silu_mul import silu_mul_ref, silu_mul_triton
+
+    gate_up = make_silu_case(shape, strided, torch.bfloat16, seed=shape[-1])
+    hidden = shape[-1] // 2
+    got = silu_mul_triton(gate_up, hidden)
+    check_rule(got, silu_mul_ref(gate_up, hidden), silu_oracle(gate_up), torch.bfloat16, "silu")
+
+
+def test_silu_mul_ref_is_the_model_path_and_rejects_bad_widths():
+    from splitflash.kernels.silu_mul import silu_mul_ref
+
+    gate_up = make_silu_case((7, 200), False, torch.bfloat16).cpu()
+    gate, up = gate_up.split(100, dim=-1)
+    assert torch.equal(silu_mul_ref(gate_up, 100), torch.nn.functional.silu(gate) * up)
+    with pytest.raises(ValueError, match=r"gate_up must be \[\.\.\., 2 \* 64\]"):
+        silu_mul_ref(gate_up, 64)
+
+
+def test_silu_mul_dispatch_keeps_autograd_on_the_reference(monkeypatch, caplog):
+    from splitflash.kernels import dispatch, fused_dispatch
+
+    monkeypatch.setenv("SPLITFLASH_FORCE_TRITON", "1")
+    dispatch._announce.cache_clear()
+    gate_up = torch.randn(3, 8, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="splitflash.kernels"):
+        fused_dispatch.silu_mul(gate_up, 4).sum().backward()
+    assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
+    assert any("silu_mul: using torch reference" in r.getMessage() and "gradients" in
+               r.getMessage() for r in caplog.records)  # fmt: skip

@@ -31,9 +31,11 @@ def random_parents(rng: random.Random, n: int, chain: bool) -> list[int]:
     return [i - 1 if chain else rng.randrange(i) if i else -1 for i in range(n)]
 
 
-def make_case(kv_lens, q_lens, heads, kv_heads, dim, page, dtype, seed=0, chain=False):
+def make_case(kv_lens, q_lens, heads, kv_heads, dim, page, dtype, seed=0, chain=False,
+              head_major=False):  # fmt: skip
     """Random paged batch. Pages are handed out in a shuffled order (plus spare pages) so
-    a kernel ignoring the page table cannot pass."""
+    a kernel ignoring the page table cannot pass. head_major: pages stored [P, H_KV, S, D]
+    and passed as [P, S, H_KV, D] views, as PagedKVCache holds them."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     need = [-(-n // page) for n in kv_lens]
@@ -50,6 +52,9 @@ def make_case(kv_lens, q_lens, heads, kv_heads, dim, page, dtype, seed=0, chain=
     q = torch.randn(int(cu_q[-1]), heads, dim, generator=gen)
     anc = [a for n in q_lens for a in ancestor_bits(random_parents(rng, n, chain))]
     to = dict(device=DEVICE)
+    if head_major:
+        k_pages, v_pages = (t.transpose(1, 2).contiguous().transpose(1, 2)
+                            for t in (k_pages, v_pages))  # fmt: skip
     return dict(
         q=q.to(dtype=dtype, **to),
         k_pages=k_pages.to(dtype=dtype, **to),
@@ -124,6 +129,28 @@ def check_against_oracle(case, dtype, **kw):
 def test_kernel_matches_oracle(kv_lens, q_lens, heads, kv_heads, dim, page, splits, dtype):
     case = make_case(kv_lens, q_lens, heads, kv_heads, dim, page, dtype, seed=len(kv_lens) + page)
     check_against_oracle(case, dtype, num_splits=splits)
+
+
+HEAD_MAJOR = [([300, 13], [16, 1], 9, 3, 64, 16, 3), ([4097], [7], 6, 2, 16, 16, None)]
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_lens,q_lens,heads,kv_heads,dim,page,splits", HEAD_MAJOR)
+def test_kernel_reads_head_major_pages(kv_lens, q_lens, heads, kv_heads, dim, page, splits):
+    case = make_case(kv_lens, q_lens, heads, kv_heads, dim, page, torch.float32, seed=5,
+                     head_major=True)  # fmt: skip
+    assert not case["k_pages"].is_contiguous() and case["k_pages"].stride(3) == 1
+    check_against_oracle(case, torch.float32, num_splits=splits)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kv_lens,q_lens,heads,kv_heads,dim,page,splits", HEAD_MAJOR)
+def test_kernel_reads_head_major_pages_bf16_gpu(kv_lens, q_lens, heads, kv_heads, dim, page,
+                                                splits):  # fmt: skip
+    case = make_case(kv_lens, q_lens, heads, kv_heads, dim, page, torch.bfloat16, seed=5,
+                     head_major=True)  # fmt: skip
+    check_against_oracle(case, torch.bfloat16, num_splits=splits)
 
 
 @needs_triton

@@ -23,14 +23,14 @@ def test_roll_back_restores_exact_state_and_data():
     cache.write(0, cache.slots("a", 0, 6), k, -k)
     cache.seq("a").length = 6
     before = snapshot(cache)
-    kept = cache.k[0].view(-1, 1, 2)[cache.slots("a", 0, 6)].clone()
+    kept = cache.read(0, cache.slots("a", 0, 6))[0].clone()
     cache.reserve("a", 15)  # a verify block that spills onto two more pages
     cache.write(0, cache.slots("a", 6, 15), torch.ones(9, 1, 2), torch.ones(9, 1, 2))
     cache.seq("a").length = 15
     assert cache.used_pages == 4
     cache.truncate("a", 6)
     assert snapshot(cache) == before
-    assert torch.equal(cache.k[0].view(-1, 1, 2)[cache.slots("a", 0, 6)], kept)
+    assert torch.equal(cache.read(0, cache.slots("a", 0, 6))[0], kept)
     # the next append gets the very same pages back
     cache.reserve("a", 15)
     assert cache.seq("a").pages == [0, 1, 2, 3]
@@ -74,5 +74,5 @@ def test_move_compacts_positions_in_every_layer():
         cache.write(layer, cache.slots("a", 0, 7), vals, vals)
     cache.move("a", [4, 6], 3)
     for layer in range(2):
-        got = cache.k[layer].view(-1, 1, 2)[cache.slots("a", 3, 5)][:, 0, 0]
+        got = cache.read(layer, cache.slots("a", 3, 5))[0][:, 0, 0]
         assert got.tolist() == [4 + 100 * layer, 6 + 100 * layer]

@@ -72,13 +72,11 @@ def test_padded_steps_equal_eager_steps_on_cpu():
     assert padded.cache.used_pages == eager.cache.used_pages
     for rid in eager.seqs:
         n = eager.cache.seq(rid).length
-        for cache_a, cache_b in ((eager.cache.k, padded.cache.k), (eager.cache.v, padded.cache.v)):
-            sa = eager.cache.slots(rid, 0, n)
-            sb = padded.cache.slots(rid, 0, n)
-            flat = (cache_a.shape[0], -1, *cache_a.shape[3:])
-            torch.testing.assert_close(
-                cache_a.view(flat)[:, sa], cache_b.view(flat)[:, sb], rtol=0, atol=1e-5
-            )
+        sa, sb = eager.cache.slots(rid, 0, n), padded.cache.slots(rid, 0, n)
+        for layer in range(eager.cache.k.shape[0]):
+            for kv_a, kv_b in zip(eager.cache.read(layer, sa), padded.cache.read(layer, sb),
+                                  strict=True):  # fmt: skip
+                torch.testing.assert_close(kv_a, kv_b, rtol=0, atol=1e-5)
 
 
 def test_keys_choose_padding_or_eager():
