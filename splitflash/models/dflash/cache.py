@@ -48,6 +48,13 @@ class LayerKV:
         self.window = window  # None: full layer
         self.k = torch.empty(0, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
+        self.pool_slot: int | None = None  # rows live in a DraftKVPool slot (see pool.py)
+
+    def attach_pool(self, k_rows: torch.Tensor, v_rows: torch.Tensor, slot: int) -> None:
+        """Hold the rows in a pool slot's fixed [cap, H_KV, hd] views (before any write)."""
+        if self.capacity:
+            raise ValueError("attach_pool needs an empty LayerKV")
+        self.k, self.v, self.pool_slot = k_rows, v_rows, slot
 
     @property
     def capacity(self) -> int:
@@ -61,6 +68,9 @@ class LayerKV:
         new_cap = max(want, 2 * cap, _MIN_CAP)
         if self.window is not None:
             new_cap = min(new_cap, self.window)  # the ring never outgrows its window
+        # A pooled full layer whose context outgrows the pool's rows moves to its own
+        # buffer (its slot stays reserved until release); such a request drafts eagerly.
+        self.pool_slot = None
         k = self.k.new_empty(new_cap, *self.k.shape[1:])
         v = self.v.new_empty(new_cap, *self.v.shape[1:])
         k[:cap], v[:cap] = self.k, self.v
@@ -90,6 +100,7 @@ class DFlashState:
     layer_kinds: list[str]  # "sliding" | "full" | "full_override" (see policy.py)
     fingerprint: tuple  # the drafter policy this state was made for
     n_ctx: int = 0  # committed context tokens held (next append must start here)
+    pool_slot: int | None = None  # DraftKVPool slot reserved for this state, if any
     # Context keys each layer read in the last draft call: proof that reads are bounded.
     keys_read_last: list[int] = field(default_factory=list)
 
@@ -99,6 +110,12 @@ class DFlashState:
         for kind, n in zip(self.layer_kinds, self.keys_read_last, strict=True):
             out[kind] = max(out.get(kind, 0), n)
         return out
+
+    def pooled_slot(self) -> int | None:
+        """The pool slot when every layer's rows are in it (graphable), else None."""
+        if self.pool_slot is None or any(kv.pool_slot is None for kv in self.layers):
+            return None
+        return self.pool_slot
 
     def cache_rows(self) -> list[int]:
         """Allocated context rows per layer (memory: bounded by W for sliding layers)."""

@@ -167,15 +167,14 @@ class DFlashDrafter(nn.Module):
         """Logits [block_size - 1, V] for block positions 1 .. B-1."""
         return self.draft_batch([state], [anchor_token_id], [anchor_pos], block_size)[0]
 
-    @torch.no_grad()
-    def draft_batch(
+    def check_batch(
         self,
         states: Sequence[DFlashState],
         anchor_token_ids: Sequence[int],
         anchor_positions: Sequence[int],
         block_size: int | None = None,
-    ) -> torch.Tensor:
-        """One forward pass for N requests -> logits [N, block_size - 1, V]."""
+    ) -> int:
+        """Validate one draft call (desync, vocab, duplicates); returns the block length T."""
         cfg = self.config
         t = cfg.block_size if block_size is None else block_size
         if not 2 <= t <= cfg.block_size:
@@ -194,34 +193,105 @@ class DFlashDrafter(nn.Module):
                 raise ValueError(f"anchor token {tok} outside the vocab [0, {cfg.vocab_size})")
         if len({id(s) for s in states}) != len(states):
             raise ValueError("draft_batch got the same state twice")
+        return t
+
+    def block_inputs(
+        self, anchor_token_ids: Sequence[int], anchor_positions: Sequence[int], t: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, positions) [N, T] long on the host: [anchor, MASK x (T-1)] at anchor_pos + i."""
+        ids = torch.full((len(anchor_token_ids), t), self.config.mask_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor([int(a) for a in anchor_token_ids], dtype=torch.long)
+        pos = torch.tensor([int(p) for p in anchor_positions])[:, None] + torch.arange(t)
+        return ids, pos
+
+    @property
+    def poolable(self) -> bool:
+        """Whether pooled attention can run (the built-in backends; custom ones cannot)."""
+        return self.backend in (TORCH_ATTENTION, TRITON_ATTENTION)
+
+    def pooled_attention(self, pool, slots: torch.Tensor, n_ctx: torch.Tensor, bound: int):
+        """attend(layer, policy, q, k, v) over a DraftKVPool: one kernel call per layer for
+        the whole batch. slots, n_ctx: [N] int32 on the weights' device; bound >= every
+        n_ctx (sizes the kernel's split plan without a device->host sync). None when the
+        backend is a custom one, which only the per-request path can call."""
+        from splitflash.kernels.draft_attention_ref import draft_attention_ref
+
+        backend = self.backend
+        if backend is TRITON_ATTENTION:
+            from splitflash.kernels.draft_attention import draft_attention_triton as kernel
+        elif backend is TORCH_ATTENTION:
+            kernel = draft_attention_ref
+        else:
+            return None
+        scale, causal = self.config.head_dim**-0.5, self.config.is_causal
+        extra = {} if kernel is draft_attention_ref else {"max_ctx_len": bound}
+
+        def attend(li, pol, q, k, v):  # q [N, T, H, hd], k / v [N, T, H_KV, hd]
+            return kernel(q, k, v, pool.k[li], pool.v[li], n_ctx, pol.window, scale,
+                          causal=causal, cache_slots=slots, **extra)  # fmt: skip
+
+        return attend
+
+    def forward_block(self, ids: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
+        """Logits [N, T-1, V] of blocks ids [N, T] at positions pos [N, T] (both on the
+        weights' device); attend(layer index, policy, q, k, v) -> [N, T, H, hd]. No host
+        sync inside: a CUDA graph captures this whole call (graphs.py)."""
+        cfg = self.config
         w = self.fc.weight
-        ids = torch.full((len(states), t), cfg.mask_token_id, dtype=torch.long, device=w.device)
-        ids[:, 0] = torch.as_tensor([int(a) for a in anchor_token_ids], device=w.device)
         emb = self._shared.embed_tokens(ids.to(self._shared.embed_tokens.weight.device))
         h = emb.to(device=w.device, dtype=w.dtype) * cfg.input_embedding_scale  # [N, T, D]
-        pos = torch.as_tensor(list(anchor_positions), device=w.device)[:, None] + torch.arange(
-            t, device=w.device
-        )  # [N, T]
         cos, sin = self._rope(pos)  # [N, T, hd]
-        reads = [[0] * len(self.layers) for _ in states]
-        attention = self.backend.fn
         for li, (layer, pol) in enumerate(zip(self.layers, self.policy, strict=True)):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.project_q(x, cos, sin)  # [N, T, H, hd]
             k, v = attn.project_kv(x, cos, sin)  # [N, T, H_KV, hd]
-            outs = []
-            for r, state in enumerate(states):
-                kv = state.layers[li]
-                o, n_read = attention(
-                    q[r], kv.k, kv.v, state.n_ctx, pol.window, k[r], v[r], cfg.is_causal
-                )
-                outs.append(o)  # [T, H, hd]
-                reads[r][li] = n_read
-            h = h + attn.o_proj(torch.stack(outs).flatten(-2))
+            h = h + attn.o_proj(attend(li, pol, q, k, v).flatten(-2))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        for state, r in zip(states, reads, strict=True):
-            state.keys_read_last = r
         h = self.norm(h[:, 1:])  # the anchor's own position needs no logits
         head = self._shared.lm_head_weight
         return h.to(device=head.device, dtype=head.dtype) @ head.T  # [N, T-1, V]
+
+    @torch.no_grad()
+    def draft_batch(
+        self,
+        states: Sequence[DFlashState],
+        anchor_token_ids: Sequence[int],
+        anchor_positions: Sequence[int],
+        block_size: int | None = None,
+        pool=None,
+    ) -> torch.Tensor:
+        """One forward pass for N requests -> logits [N, block_size - 1, V]. With a
+        DraftKVPool holding every state, attention is one call per layer for all of them;
+        otherwise one per request per layer."""
+        t = self.check_batch(states, anchor_token_ids, anchor_positions, block_size)
+        dev = self.fc.weight.device
+        ids, pos = (x.to(dev) for x in self.block_inputs(anchor_token_ids, anchor_positions, t))
+        slots = None if pool is None else pool.slots_of(states)
+        attend = None
+        if slots is not None:
+            n_ctx = [s.n_ctx for s in states]
+            attend = self.pooled_attention(
+                pool, torch.tensor(slots, dtype=torch.int32, device=dev),
+                torch.tensor(n_ctx, dtype=torch.int32, device=dev), max(n_ctx),
+            )  # fmt: skip
+            reads = [pool.keys_read(n) for n in n_ctx]
+        if attend is None:
+            reads = [[0] * len(self.layers) for _ in states]
+            per_request = self.backend.fn
+            causal = self.config.is_causal
+
+            def attend(li, pol, q, k, v):
+                outs = []
+                for r, state in enumerate(states):
+                    kv = state.layers[li]
+                    o, reads[r][li] = per_request(
+                        q[r], kv.k, kv.v, state.n_ctx, pol.window, k[r], v[r], causal
+                    )
+                    outs.append(o)  # [T, H, hd]
+                return torch.stack(outs)
+
+        logits = self.forward_block(ids, pos, attend)
+        for state, r in zip(states, reads, strict=True):
+            state.keys_read_last = r
+        return logits

@@ -23,6 +23,11 @@ class DraftSettings:
     # explicit experiment that is logged loudly and exported as a policy mismatch.
     window_override: str = "checkpoint"
     max_batch: int = 64  # most items in one Propose; larger batches are refused
+    # DFlash on CUDA: requests' draft context in one fixed pool (batched attention) and the
+    # draft step replayed from CUDA graphs at batch sizes 1, 2, 4 .. 32 (eager otherwise).
+    cuda_graphs: bool = True
+    pool_slots: int = 64  # requests held in the pool; more run unpooled and eagerly
+    pool_context: int = 0  # rows per full draft layer; 0 = the target's context length
     peer_id: str = ""  # identity in logs; "" = draft-<pid>
     # CURVE (protocol/security.py): this service's secret key (Z85, inline or a file) and
     # the client public keys let in (the gateway's and every verify worker's). Empty = plain.
@@ -45,5 +50,7 @@ class DraftSettings:
             )
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ValueError("ngram n-gram range must satisfy 1 <= min_n <= max_n")
+        if self.pool_slots < 0 or self.pool_context < 0:
+            raise ValueError("pool_slots and pool_context must be >= 0 (0 = no pool / default)")
         if self.max_batch < 1 or not 0 <= self.metrics_port < 65536:
             raise ValueError("max_batch must be >= 1 and metrics_port in 0..65535")

@@ -10,6 +10,7 @@ order, then propose.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,10 @@ from torch import nn
 
 from splitflash.models.dflash import DFlashDesyncError, DFlashDrafter, DFlashState, load_dflash
 from splitflash.models.dflash.config import SLIDING
+from splitflash.models.dflash.graphs import DraftGraphs
+from splitflash.models.dflash.pool import DraftKVPool
+
+logger = logging.getLogger("splitflash.draft")
 
 ASSET_DIR = Path(__file__).resolve().parents[2] / "assets" / "drafters"
 DEFAULT_DRAFTERS = {"smollm2-135m": "smollm2-135m-dflash"}
@@ -49,10 +54,22 @@ class DFlashDraftState:
 class DFlashProposer:
     name = "dflash"
 
-    def __init__(self, drafter: DFlashDrafter) -> None:
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        pool: DraftKVPool | None = None,
+        graphs: DraftGraphs | None = None,
+    ) -> None:
+        """pool: requests' context K/V in one fixed pool (batched attention, graphable);
+        graphs: CUDA graphs of the draft step over that pool (eager fallback)."""
+        if graphs is not None and graphs.pool is not pool:
+            raise ValueError("draft graphs must run over the proposer's own pool")
         self.drafter = drafter
+        self.pool = pool
+        self.graphs = graphs
         self.requests: dict[str, DFlashDraftState] = {}
         self._keys_read: dict[str, int] = {}
+        self.forwards = {"graph": 0, "eager": 0}  # draft forwards by how they ran
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -66,7 +83,8 @@ class DFlashProposer:
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         if request_id in self.requests:
             raise ValueError(f"DFlash drafter: request {request_id!r} is already open")
-        self.requests[request_id] = DFlashDraftState(list(prompt_ids), self.drafter.new_state())
+        state = self.drafter.new_state() if self.pool is None else self.pool.new_state()
+        self.requests[request_id] = DFlashDraftState(list(prompt_ids), state)
 
     def _get(self, request_id: str) -> DFlashDraftState:
         try:
@@ -90,7 +108,9 @@ class DFlashProposer:
         self.drafter.append_context(self._get(request_id).cache, features, start_pos)
 
     def release(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)  # idempotent
+        st = self.requests.pop(request_id, None)  # idempotent
+        if st is not None and self.pool is not None:
+            self.pool.release(st.cache)
 
     def context_len(self, request_id: str) -> int:
         return self._get(request_id).cache.n_ctx
@@ -119,12 +139,11 @@ class DFlashProposer:
         if k <= 0 or not request_ids:
             return [[] for _ in request_ids]
         picked = [self._anchor(r) for r in request_ids]
-        logits = self.drafter.draft_batch(
-            [p[0].cache for p in picked],
-            [p[1] for p in picked],
-            [p[2] for p in picked],
-            block_size=k + 1,
-        )
+        args = ([p[0].cache for p in picked], [p[1] for p in picked], [p[2] for p in picked])
+        logits = None if self.graphs is None else self.graphs.run(*args, block_size=k + 1)
+        self.forwards["eager" if logits is None else "graph"] += 1
+        if logits is None:
+            logits = self.drafter.draft_batch(*args, block_size=k + 1, pool=self.pool)
         for p in picked:
             for kind, layer_reads in zip(
                 p[0].cache.layer_kinds, p[0].cache.keys_read_last, strict=True
@@ -161,7 +180,12 @@ def load_proposer(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
     window_override: str = "checkpoint",
+    pool_slots: int = 0,
+    pool_context: int = 0,
+    cuda_graphs: bool = False,
 ) -> DFlashProposer:
+    """pool_slots > 0: a DraftKVPool of that many requests x pool_context rows per full layer;
+    cuda_graphs: capture the draft step over it (CUDA only)."""
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     drafter = load_dflash(
@@ -173,7 +197,15 @@ def load_proposer(
         device,
         window_override=window_override,
     )
-    return DFlashProposer(drafter)
+    pool = graphs = None
+    if pool_slots > 0:
+        pool = DraftKVPool(drafter, pool_slots, pool_context)
+        logger.info("draft KV pool: %d requests x %d context rows (%.1f MB)", pool_slots,
+                    pool_context, pool.nbytes() / 1e6)  # fmt: skip
+    if cuda_graphs and pool is not None and torch.device(device).type == "cuda":
+        graphs = DraftGraphs(drafter, pool)
+        logger.info("draft step CUDA graphs: on (batch sizes %s)", graphs.batch_sizes)
+    return DFlashProposer(drafter, pool, graphs)
 
 
 def build_dflash_drafter(
@@ -181,8 +213,13 @@ def build_dflash_drafter(
     target: str = "smollm2-135m",
     device: str = "cpu",
     window_override: str = "checkpoint",
+    pool_slots: int = 0,
+    pool_context: int = 0,
+    cuda_graphs: bool = False,
 ):
-    """The draft service's factory: loads only the target's embedding and LM head."""
+    """The draft service's factory: loads only the target's embedding and LM head. On CUDA
+    the requests' context lives in a pool (pool_slots requests; pool_context rows per full
+    layer, 0 = the target's context length) and the draft step is CUDA-graphed."""
     from splitflash.models import store
     from splitflash.models.loading import load_checkpoint
 
@@ -196,4 +233,10 @@ def build_dflash_drafter(
         else weight
     )
     ckpt = path or default_drafter_path(target if target in DEFAULT_DRAFTERS else "smollm2-135m")
-    return load_proposer(ckpt, embed, head, tcfg.num_layers, device, dtype, window_override)
+    on_cuda = torch.device(device).type == "cuda"
+    return load_proposer(
+        ckpt, embed, head, tcfg.num_layers, device, dtype, window_override,
+        pool_slots=pool_slots if on_cuda else 0,
+        pool_context=pool_context or tcfg.max_position_embeddings,
+        cuda_graphs=cuda_graphs,
+    )  # fmt: skip

@@ -134,6 +134,9 @@ def build_drafter(settings: DraftSettings) -> Drafter:
         target=settings.target,
         device=settings.device,
         window_override=settings.window_override,
+        pool_slots=settings.pool_slots,
+        pool_context=settings.pool_context,
+        cuda_graphs=settings.cuda_graphs,
     )
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitflash.models.attention import AttentionMeta
+from splitflash.models.attention import MAX_TREE_Q, AttentionMeta, causal_bits
 from splitflash.models.graphs import VerifyGraphs
 from splitflash.models.kv_cache import PagedKVCache
 from splitflash.models.target import ForwardBatch, TargetModel
@@ -97,7 +97,9 @@ class TargetEngine:
             cu_q=cu_q.to(dev),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
             page_table=self.cache.page_table([s[0] for s in spans], dev),
-            anc_bits=None,
+            # Causal blocks as ancestor bits, built once per forward: left None, the
+            # attention backend would rebuild and upload them in every layer.
+            anc_bits=causal_bits(q_lens, dev) if max(q_lens) <= MAX_TREE_Q else None,
             q_lens=q_lens,
             kv_lens_list=kv_lens,
         )
