@@ -14,7 +14,7 @@ from splitflash.models.dflash.graphs import DraftGraphs
 from splitflash.models.dflash.pool import DraftKVPool
 from splitflash.services.draft.dflash_drafter import DFlashProposer
 from tests.unit.kernel_env import CUDA, INTERPRET, needs_triton
-from tests.unit.test_dflash_support import cfg_dict, feats, make
+from tests.unit.test_dflash_support import cfg_dict, feats, make, shared
 
 W = 8  # cfg_dict's window: layers 0, 1 sliding, layer 2 full
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -164,6 +164,10 @@ def test_pooled_triton_attention_matches_torch(monkeypatch):
 @pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU, TRITON_INTERPRET unset")
 def test_captured_draft_graphs_replay_eager_logits():
     drafter = make(cfg_dict(window=64)).cuda()
+    with pytest.raises(ValueError, match="embedding and LM head on the drafter's device"):
+        DraftGraphs(drafter, DraftKVPool(drafter, slots=1, context=16))  # shared still on CPU
+    emb, head = shared(0)
+    drafter.attach_shared(torch.nn.Embedding.from_pretrained(emb.weight.cuda()), head.cuda())
     pool = DraftKVPool(drafter, slots=4, context=4096)
     graphs = DraftGraphs(drafter, pool, batch_sizes=(1, 4))
     eager, pooled = [drafter.new_state() for _ in range(3)], [pool.new_state() for _ in range(3)]

@@ -62,6 +62,12 @@ class DraftGraphs:
             raise ValueError(f"batch_sizes must be positive, got {batch_sizes}")
         self.drafter, self.pool = drafter, pool
         self.device = drafter.fc.weight.device
+        if any(d != self.device for d in drafter.shared_devices):
+            # A cross-device hop inside the step is a host sync, which a capture cannot hold.
+            raise ValueError(
+                f"draft graphs need the target's embedding and LM head on the drafter's device "
+                f"{self.device}, got {[str(d) for d in drafter.shared_devices]}"
+            )
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.max_graphs = max_graphs
         self.capture = capture

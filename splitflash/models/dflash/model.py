@@ -84,6 +84,11 @@ class DFlashDrafter(nn.Module):
         self._shared = _Shared(embed_tokens, lm_head_weight.detach())
 
     @property
+    def shared_devices(self) -> tuple[torch.device, torch.device]:
+        """(embedding, LM head) devices of the target modules the drafter shares."""
+        return self._shared.embed_tokens.weight.device, self._shared.lm_head_weight.device
+
+    @property
     def backend(self) -> AttentionBackend:
         """The attention backend in force: the one passed in, else Triton when the weights are
         on CUDA and torch `block_attention` otherwise (the choice is logged once)."""
