@@ -107,7 +107,7 @@ def compile_jobs(point_rows, shape, device):
 
 def _compile_job(job):
     """Worker process: one tiny launch with the sweep's exact specialization: same shape,
-    16-aligned ints (split_len 256, page-table width 16 * splits), same split count."""
+    16-aligned ints (page-table width 16 * splits), same split count."""
     try:
         import torch
 

@@ -195,6 +195,12 @@ SERVICES = [
           "deployment should be nearly all graph; capture_failed = 1 means it fell back.",
           (rate("splitflash_verify_forwards_total", "mode"), "{{mode}}"),
           ("max(splitflash_verify_graph_capture_failed)", "capture_failed"), unit="ops"),
+    panel("Draft forwards by mode",
+          "DFlash only. graph = a replayed CUDA graph over the draft KV pool; eager = kernels "
+          "launched one by one (CPU, requests outside the pool, batches past the largest "
+          "graph, or graphs off/failed). capture_failed = 1 means it fell back.",
+          (rate("splitflash_draft_forwards_total", "mode"), "{{mode}}"),
+          ("max(splitflash_draft_graph_capture_failed)", "capture_failed"), unit="ops"),
     panel("Targets up", "", ('up{job=~"splitflash-.*"}', "{{job}} {{instance}}"), max=1),
 ]  # fmt: skip
 

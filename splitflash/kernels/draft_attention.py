@@ -54,7 +54,7 @@ def _draft_attn_kernel(
     part_out_ptr,  # [R * B_blk, H, num_splits, D] fp32
     part_lse_ptr,  # [R * B_blk, H, num_splits] fp32
     keys_read_ptr,  # [R] int32 (COUNT_READS)
-    qk_scale, window, w_cap, split_len, num_splits, m_tiles,
+    qk_scale, window, w_cap, num_splits, m_tiles,
     KV_BUCKET, CC,  # autotune keys only
     BLK: tl.constexpr, H: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr,
     D: tl.constexpr, SLIDING: tl.constexpr, CAUSAL: tl.constexpr,
@@ -89,6 +89,10 @@ def _draft_attn_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys per split from this request's reads (whole BLOCK_N tiles): the host plans only
+    # the split count, for a bound (a CUDA graph's context bucket) that may be up to 2x the
+    # reads; sized from it, the splits past the reads would idle.
+    split_len = tl.cdiv(tl.cdiv(n_read, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, n_read)
     n_loaded = tl.zeros([], tl.int32)
@@ -220,7 +224,7 @@ def draft_attention_triton(
         q, blk_k, blk_v, ctx_k, ctx_v, n_ctx_t, slots_t, out, part_out, part_lse,
         keys_read if keys_read is not None else n_ctx_t,
         scale * _LOG2E, window if window is not None else w_cap, w_cap,
-        plan.split_len, plan.num_splits, m_tiles,
+        plan.num_splits, m_tiles,
         kv_bucket(bound), cap[0] * 10 + cap[1],
     )  # fmt: skip
     meta = dict(

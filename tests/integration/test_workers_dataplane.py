@@ -207,3 +207,7 @@ def test_dflash_drafter_over_services_is_lossless_and_batched():
         "splitflash_draft_kv_keys_read_total", {"layer_kind": "sliding", "context_bucket": "<=2k"}
     )
     assert keys is not None and keys > 0
+    forwards = {m: d.registry.get_sample_value("splitflash_draft_forwards_total", {"mode": m})
+                for m in ("graph", "eager")}  # fmt: skip
+    assert forwards["graph"] == 0 and forwards["eager"] > 0  # CPU: no graphs, and it says so
+    assert d.registry.get_sample_value("splitflash_draft_graph_capture_failed") == 0

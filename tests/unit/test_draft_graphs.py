@@ -135,7 +135,12 @@ def test_proposer_with_pool_and_graphs_proposes_what_eager_does():
             prop.open(rid, ids)
             prop.add_features(rid, 0, feats(len(ids) - 1, seed=len(ids)))
     assert graphed.propose_batch(["a", "b"], 5) == plain.propose_batch(["a", "b"], 5)
-    assert graphed.forwards == {"graph": 1, "eager": 0}
+    assert graphed.pop_forwards() == {"graph": 1, "eager": 0}
+    assert graphed.pop_forwards() == {"graph": 0, "eager": 0}  # counts since the last pop
+    assert not graphed.graph_capture_failed
+    graphed.graphs.failed = True  # as after a failed capture: eager, and reported
+    assert graphed.propose_batch(["a", "b"], 5) == plain.propose_batch(["a", "b"], 5)
+    assert graphed.pop_forwards() == {"graph": 0, "eager": 1} and graphed.graph_capture_failed
     assert graphed.pop_keys_read() == plain.pop_keys_read()
     graphed.release("a")
     assert pool.free_slots == 3

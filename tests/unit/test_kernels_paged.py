@@ -154,6 +154,14 @@ def test_kernel_reads_head_major_pages_bf16_gpu(kv_lens, q_lens, heads, kv_heads
 
 
 @needs_triton
+def test_kernel_planned_for_a_longer_bound_matches_oracle():
+    # A CUDA graph plans its splits for its KV bucket (up to 2x the real lengths): every
+    # request then spreads its own keys over all the splits, the short one too.
+    case = make_case([1000, 70], [16, 7], 6, 2, 16, 16, torch.float32, seed=9)
+    check_against_oracle(case, torch.float32, max_kv_len=2048, max_q_len=16)
+
+
+@needs_triton
 def test_kernel_causal_chain_of_64_uses_bit_63():
     case = make_case([200], [64], 2, 1, 16, 16, torch.float32, chain=True)
     assert int(case["anc_bits"][-1]) == -1  # all 64 bits set

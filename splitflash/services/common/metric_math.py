@@ -161,6 +161,16 @@ METRICS = MappingProxyType(
             "one kind; per draft = rate(this) / rate(draft_steps_total).",
             ("layer_kind", LAYER_KINDS), _BUCKET,
         ),
+        "draft_forwards": _d(
+            "counter", "DFlash draft forwards (one per Propose batch) by how they ran: "
+            "mode=graph replayed a captured CUDA graph over the draft KV pool, mode=eager "
+            "launched each kernel from Python (CPU, requests outside the pool, batches past "
+            "the largest graph, graphs off or failed).", ("mode", ("graph", "eager")),
+        ),
+        "draft_graph_capture_failed": _d(
+            "gauge", "1 once a draft CUDA graph capture failed: the drafter then runs every "
+            "step eagerly (the error is in the draft log)."
+        ),
         "draft_attention_policy": _d(
             "info", "Attention policy in force per drafter layer: kind (sliding/full), window "
             "(tokens; 'none' when full), source (checkpoint/override).", ("layer", _LAZY),

@@ -145,6 +145,8 @@ def gateway_metrics(reg: CollectorRegistry) -> GatewayMetrics:
 class DraftMetrics:
     draft_steps: Counter
     draft_kv_keys_read: Counter
+    draft_forwards: Counter
+    draft_graph_capture_failed: Gauge
     draft_attention_policy: Info
     draft_attention_policy_mismatch: Gauge
     draft_sliding_keys_bound: Gauge

@@ -69,7 +69,7 @@ class DFlashProposer:
         self.graphs = graphs
         self.requests: dict[str, DFlashDraftState] = {}
         self._keys_read: dict[str, int] = {}
-        self.forwards = {"graph": 0, "eager": 0}  # draft forwards by how they ran
+        self.forwards = {"graph": 0, "eager": 0}  # draft forwards by how they ran (metrics)
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -166,6 +166,15 @@ class DFlashProposer:
             for t in cfg.layer_types
         ]
         return in_force, declared, self.drafter.window_override
+
+    def pop_forwards(self) -> dict[str, int]:
+        """Draft forwards by mode ("graph" | "eager") since the last call."""
+        out, self.forwards = self.forwards, {"graph": 0, "eager": 0}
+        return out
+
+    @property
+    def graph_capture_failed(self) -> bool:
+        return self.graphs is not None and self.graphs.failed
 
     def pop_keys_read(self) -> dict[str, int]:
         out, self._keys_read = self._keys_read, {}

@@ -213,6 +213,7 @@ class DraftServer:
         compute = time.perf_counter() - t0
         self.draft_seconds.observe(compute)
         self._count_keys_read(max(item.base_len for item in msg.items))
+        self._count_forwards()
         ordered = [drafts[i] for i in range(len(msg.items))]
         return ProposeReply(drafts=ordered, timings={"draft": compute, "total": compute})
 
@@ -254,6 +255,14 @@ class DraftServer:
         bucket = context_bucket(longest)
         for kind, n in pop().items():
             self.metrics.draft_kv_keys_read.labels(layer_kind=kind, context_bucket=bucket).inc(n)
+
+    def _count_forwards(self) -> None:
+        pop = getattr(self.drafter, "pop_forwards", None)  # drafters with a forward (DFlash)
+        if not callable(pop):
+            return
+        for mode, n in pop().items():
+            self.metrics.draft_forwards.labels(mode=mode).inc(n)
+        self.metrics.draft_graph_capture_failed.set(int(self.drafter.graph_capture_failed))
 
     def _features(self, msg: Features, frames) -> FeaturesAck:
         rid = msg.request_id

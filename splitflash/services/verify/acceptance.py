@@ -32,7 +32,11 @@ class StepOutcome:
 
 def accept_chain_greedy(draft: list[int], logits: torch.Tensor) -> StepOutcome:
     """draft [K]; logits [K+1, V]: row i is the target after the anchor and i drafts."""
-    target = logits.argmax(dim=-1).tolist()
+    return accept_greedy_ids(draft, logits.argmax(dim=-1).tolist())
+
+
+def accept_greedy_ids(draft: list[int], target: list[int]) -> StepOutcome:
+    """Greedy chain acceptance from the target's argmax ids [K+1] (host ints)."""
     a = 0
     while a < len(draft) and draft[a] == target[a]:
         a += 1

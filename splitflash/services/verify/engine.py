@@ -17,8 +17,8 @@ from splitflash.models.kv_cache import PagedKVCache
 from splitflash.models.target import ForwardBatch, TargetModel
 from splitflash.services.verify.acceptance import (
     StepOutcome,
-    accept_chain_greedy,
     accept_chain_sampled,
+    accept_greedy_ids,
     check_invariants,
     truncate_outcome,
 )
@@ -188,13 +188,16 @@ class TargetEngine:
         self.last_forward_mode = "eager" if out is None else "graph"
         if out is None:  # no graph fits this step (or none wanted): eager
             out = self.model(batch, self.cache, None, self.feature_layer_ids)
+        # Every greedy row's argmax in one device->host copy, not one sync per request.
+        greedy = any(self.seqs[s[0]].sampling.greedy for s in spans)
+        argmax = out.logits.argmax(dim=-1).tolist() if greedy else None  # [N] ids
         lo = 0
         for rid, block, kv_len, max_commit in spans:
             seq = self.seqs[rid]
             logits = out.logits[lo : lo + len(block)]  # [K+1, V]
             drafts = block[1:]
             if seq.sampling.greedy:
-                outcome = accept_chain_greedy(drafts, logits)
+                outcome = accept_greedy_ids(drafts, argmax[lo : lo + len(block)])
             else:
                 probs = target_probs(logits, seq.sampling)
                 outcome = accept_chain_sampled(drafts, probs, seq.generator)
