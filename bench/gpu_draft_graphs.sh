@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call for issue 5's draft-step CUDA graphs and the per-request split length (carry:
 # .whl): the verify step (eager vs graph at 512 / 185k), the draft-step bench (per-request
-# eager vs pooled vs graph), then every bf16 / CUDA-graph GPU test.
+# eager vs pooled vs graph), then the GPU tests of the kernels and graphs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -12,5 +12,7 @@ echo "== draft graphs"; date +%T
 timeout 100 python3 -m bench.draft_graphs --contexts 2048 32768 131072 --batches 1 8 \
   --json-out "$OUT/draft_graphs.json"
 echo "== gpu tests"; date +%T
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit 2>&1 | tail -12
+timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_draft_graphs.py \
+  tests/unit/test_verify_graphs.py tests/unit/test_kernels_paged.py tests/unit/test_kernels_draft.py \
+  tests/unit/test_dflash_triton_backend.py 2>&1 | tail -12
 date +%T
