@@ -65,12 +65,16 @@ def run(args) -> int:
     if not args.no_spec and args.drafter == "ngram":
         drafter = NgramDrafter()
     elif not args.no_spec and args.drafter == "dflash":
+        on_cuda = torch.device(args.device).type == "cuda"  # one request: a 1-slot pool, graphed
         drafter = load_proposer(
             args.drafter_path or default_drafter_path(args.target),
             model.embed_tokens,
             model.lm_head.weight,
             cfg.num_layers,
             args.device,
+            pool_slots=1 if on_cuda else 0,
+            pool_context=engine.max_context,
+            cuda_graphs=on_cuda,
         )
     # DFlash drafts from the target's hidden features: the engine exports those layers.
     engine.feature_layer_ids = getattr(drafter, "target_layer_ids", ())
