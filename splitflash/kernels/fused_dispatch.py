@@ -1,5 +1,5 @@
-"""Pick the Triton kernel or the torch reference for the fused norm, RoPE + KV-write and SwiGLU
-activation.
+"""Pick the Triton kernel or the torch reference for the fused norm, RoPE + KV-write, SwiGLU
+activation and the small-M linear layers fused with them.
 
 Same rule and logging as `splitflash.kernels.dispatch` (whose helpers are reused): Triton on
 CUDA tensors or with SPLITFLASH_FORCE_TRITON=1, the reference otherwise, the choice logged
@@ -9,7 +9,10 @@ imported inside the calls: importing this module never touches Triton.
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 
 from splitflash.kernels.dispatch import _announce, use_triton
 
@@ -70,3 +73,54 @@ def silu_mul(gate_up: torch.Tensor, hidden: int) -> torch.Tensor:
 
     _announce("silu_mul", "torch reference", reason)
     return silu_mul_ref(gate_up, hidden)
+
+
+def _fused_linear_ok(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
+    """(run the fused small-M linear kernel?, why): Triton's rule, few rows, no autograd."""
+    from splitflash.kernels.fused_linear import MAX_K, MAX_M, fits
+
+    triton_ok, reason = use_triton(x)
+    if not triton_ok:
+        return False, reason
+    if os.environ.get("SPLITFLASH_FUSED_LINEAR", "1") == "0":  # to measure or rule it out
+        return False, "SPLITFLASH_FUSED_LINEAR=0"
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False, "input needs gradients (the kernel has no backward)"
+    if not fits(x, weight):
+        return False, f"not M <= {MAX_M} rows with K <= {MAX_K} (cuBLAS takes it)"
+    return True, reason
+
+
+def norm_linear(
+    x: torch.Tensor,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]; SwiGLU: [2I, K] (gate rows, then up rows)
+    swiglu_hidden: int | None = None,  # I: return silu(gate) * up
+) -> torch.Tensor:  # [M, N] or [M, I]
+    """linear(rmsnorm(x) * norm_weight) (then SwiGLU): one kernel for few rows on CUDA,
+    otherwise the norm, a cuBLAS / CPU GEMM and the activation, each dispatched itself."""
+    fused, reason = _fused_linear_ok(x, weight)
+    _announce("norm_linear", "triton fused" if fused else "norm + GEMM", reason)
+    if fused:
+        from splitflash.kernels.fused_linear import norm_linear_triton
+
+        return norm_linear_triton(x, norm_weight, eps, weight, swiglu_hidden)
+    y = F.linear(rms_norm(x, norm_weight, eps), weight)
+    return y if swiglu_hidden is None else silu_mul(y, swiglu_hidden)
+
+
+def linear_residual(
+    a: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    residual: torch.Tensor,  # [M, N]
+) -> torch.Tensor:  # residual + a @ weight.T
+    """The projection back into the residual stream, with the add in the GEMM's epilogue for
+    few rows on CUDA."""
+    fused, reason = _fused_linear_ok(a, weight)
+    _announce("linear_residual", "triton fused" if fused else "GEMM + add", reason)
+    if fused:
+        from splitflash.kernels.fused_linear import linear_residual_triton
+
+        return linear_residual_triton(a, weight, residual)
+    return residual + F.linear(a, weight)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitflash.kernels.pdl import gdc_sync, pdl_launch
 from splitflash.kernels.tuning import next_pow2
 
 
@@ -92,8 +93,9 @@ def _rope_kv_kernel(
     stride_cn, stride_sn,
     stride_kpp, stride_kps, stride_kph, stride_vpp, stride_vps, stride_vph,
     H: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_sync(USE_GDC)  # q, k, v come from the qkv projection just before (kernels/pdl.py)
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF], one rotate-half pair per lane
@@ -176,6 +178,6 @@ def rope_kv_write_triton(
         BLOCK_G=next_pow2(group), BLOCK_HALF=max(16, next_pow2(half)),
         # Per program: G + 2 heads of Dh elements (~2.5 KiB at G=4, Dh=128 in bf16); more
         # warps would idle. A memory-bound pass: unmeasured, no autotuning.
-        num_warps=4 if group * half >= 512 else 2,
+        num_warps=4 if group * half >= 512 else 2, **pdl_launch(q.device),
     )  # fmt: skip
     return q_out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitflash.kernels.pdl import gdc_sync, pdl_launch
+
 
 @triton.jit
 def _combine_kernel(
@@ -22,7 +24,9 @@ def _combine_kernel(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_sync(USE_GDC)  # the partials come from the attention kernel (kernels/pdl.py)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -58,4 +62,5 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
         D=head_dim,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        **pdl_launch(out.device),
     )

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitflash.kernels.fused_dispatch import rms_norm, rope_kv_write, silu_mul
+from splitflash.kernels.fused_dispatch import (
+    linear_residual,
+    norm_linear,
+    rope_kv_write,
+    silu_mul,
+)
 from splitflash.models.attention import AttentionMeta, PagedAttention
 from splitflash.models.config import TargetConfig
 from splitflash.models.kv_cache import PagedKVCache
@@ -59,8 +64,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, layer: int, cache: PagedKVCache, slots, meta, backend):
-        n = x.shape[0]  # x [N, D]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        # x [N, D] -> [N, D]
+        o = self.attend(self.qkv_proj(x), cos, sin, layer, cache, slots, meta, backend)
+        return self.o_proj(o)
+
+    def attend(self, qkv, cos, sin, layer: int, cache: PagedKVCache, slots, meta, backend):
+        """qkv [N, q_dim + 2 kv_dim] (the projection's output) -> attention output [N, q_dim]
+        (before o_proj); writes this block's K/V into the cache."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(n, self.cfg.num_heads, self.cfg.head_dim)
         k = k.view(n, self.cfg.num_kv_heads, self.cfg.head_dim)
         v = v.view(n, self.cfg.num_kv_heads, self.cfg.head_dim)
@@ -70,7 +82,7 @@ class Attention(nn.Module):
         # CPU the reference, bit-equal to apply_rope + cache.write).
         q = rope_kv_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], slots)
         o = backend(q, cache.k[layer], cache.v[layer], meta, self.cfg.head_dim**-0.5)
-        return self.o_proj(o.reshape(n, -1))
+        return o.reshape(n, -1)
 
 
 class MLP(nn.Module):
@@ -160,28 +172,32 @@ class TargetModel(nn.Module):
         cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         captured: dict[int, torch.Tensor] = {}
         eps = self.cfg.rms_norm_eps
-        # Each residual add rides in the next RMSNorm (one pass over the hidden state on
-        # CUDA); `pending` is the sublayer output not yet added to x. Same roundings as
-        # x = x + f(norm(x)): the fused add rounds x + f to x's dtype before the norm.
-        pending: torch.Tensor | None = None
+        # Four kernels per layer besides attention on CUDA for a verify block (few rows): each
+        # RMSNorm rides in the linear after it, SwiGLU in gate_up's, each residual add in the
+        # epilogue of the projection feeding it (kernels/fused_linear.py). Same op sequence,
+        # so the same roundings, as x = x + f(norm(x)); on CPU exactly those torch ops.
         for i, layer in enumerate(self.layers):
-            w_in = layer.input_layernorm.weight
-            if pending is None:
-                normed = rms_norm(x, w_in, eps)
-            else:
-                normed, x = rms_norm(pending, w_in, eps, residual=x)
-            attn = layer.self_attn(
-                normed, cos, sin, i, cache, batch.slots, batch.meta, self.backend
-            )
-            normed, x = rms_norm(attn, layer.post_attention_layernorm.weight, eps, residual=x)
-            pending = layer.mlp(normed)
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = norm_linear(x, layer.input_layernorm.weight, eps, attn.qkv_proj.weight)
+            o = attn.attend(qkv, cos, sin, i, cache, batch.slots, batch.meta, self.backend)
+            x = _add_projection(attn.o_proj, o, x)
+            act = norm_linear(x, layer.post_attention_layernorm.weight, eps,
+                              mlp.gate_up_proj.weight, swiglu_hidden=mlp.hidden)  # fmt: skip
+            x = _add_projection(mlp.down_proj, act, x)
             if i in hidden_layer_ids:
-                captured[i] = x + pending
-        x = x + pending
+                captured[i] = x
         rows = x if logits_rows is None else x[logits_rows]
         logits = self.lm_head(self.norm(rows)).float()
         hidden = torch.cat([captured[i] for i in hidden_layer_ids], -1) if captured else None
         return ForwardOutput(logits=logits, hidden=hidden)
+
+
+def _add_projection(proj: nn.Module, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x + proj(a); the add fused into the GEMM when proj is a plain bias-free Linear (tensor
+    parallelism swaps in a row-parallel module whose all-reduce must run first)."""
+    if type(proj) is nn.Linear and proj.bias is None:
+        return linear_residual(a, proj.weight, x)
+    return x + proj(a)
 
 
 def build_target(cfg: TargetConfig, state: dict, dtype=torch.float32, device="cpu"):

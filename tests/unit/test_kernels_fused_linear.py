@@ -1,0 +1,181 @@
+"""Small-M linear kernels fused with RMSNorm / SwiGLU / the residual add (kernels/fused_linear.py):
+Triton kernel vs torch reference vs fp64 oracles, the dispatch rule, and a whole target forward
+through every Triton kernel against the CPU reference path. Kernel tests run under
+TRITON_INTERPRET=1 on CPU (fp32, fp16) or natively on CUDA (bf16 too, marked gpu).
+Criterion (DESIGN.md 9): err(kernel vs fp64) <= 2 * err(torch ref vs fp64) + atol.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from splitflash.kernels.fused_linear import (
+    MAX_K,
+    MAX_M,
+    fits,
+    linear_residual_ref,
+    norm_linear_ref,
+)
+from tests.unit.kernel_env import ATOL, DEVICE, needs_gpu, needs_triton
+
+EPS = 1e-5
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+
+# (M, K, N): the default model's layers (K 576 / 1536, N 960 / 576, SwiGLU I 1536), odd sizes
+# that pad every tile (K 13 / 100, N 17 / 50), one row, the largest M and K taken.
+CASES = [(1, 64, 96), (7, 576, 960), (16, 1536, 576), (33, 100, 50), (64, 2048, 40),
+         (5, 13, 17), (16, 576, 3072)]  # fmt: skip
+IDS = ["x".join(map(str, c)) for c in CASES]
+
+
+def make_case(m, k, n, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # Rows of very different scales: normalising by the wrong row or over padding lanes fails.
+    x = torch.randn(m, k, generator=gen) * (torch.rand(m, 1, generator=gen) * 8 + 0.05)
+    norm_w = 1 + 0.5 * torch.randn(k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    res = torch.randn(m, n, generator=gen)
+    return [t.to(dtype=dtype, device=DEVICE) for t in (x, norm_w, w, res)]
+
+
+def err(got, want) -> float:
+    return (got.double().cpu() - want).abs().max().item()
+
+
+def check(got, low, want, dtype, what):
+    assert got.dtype == low.dtype and got.shape == low.shape, (got.dtype, got.shape, low.shape)
+    e_kernel, e_low = err(got, want), err(low, want)
+    assert e_kernel <= 2 * e_low + ATOL[dtype], (what, e_kernel, e_low)
+
+
+def norm_oracle(x, norm_w, w, swiglu_hidden=None):
+    x, norm_w, w = (t.double().cpu() for t in (x, norm_w, w))
+    y = (norm_w * x / (x.square().mean(-1, keepdim=True) + EPS).sqrt()) @ w.T
+    if swiglu_hidden is None:
+        return y
+    g, u = y.split(swiglu_hidden, dim=-1)
+    return g * torch.sigmoid(g) * u
+
+
+def run_norm_linear(dtype, m, k, n, swiglu):
+    from splitflash.kernels.fused_linear import norm_linear_triton
+
+    x, norm_w, w, _ = make_case(m, k, n, dtype, seed=m * k + n)
+    hidden = n // 2 if swiglu else None
+    w = w[: 2 * hidden] if swiglu else w  # odd N: gate and up of n // 2 columns each
+    got = norm_linear_triton(x, norm_w, EPS, w, hidden)
+    low = norm_linear_ref(x, norm_w, EPS, w, hidden)
+    check(got, low, norm_oracle(x, norm_w, w, hidden), dtype, ("norm_linear", swiglu))
+
+
+def run_linear_residual(dtype, m, k, n):
+    from splitflash.kernels.fused_linear import linear_residual_triton
+
+    x, _, w, res = make_case(m, k, n, dtype, seed=m + k * n)
+    got = linear_residual_triton(x, w, res)
+    want = res.double().cpu() + x.double().cpu() @ w.double().cpu().T
+    check(got, linear_residual_ref(x, w, res), want, dtype, "linear_residual")
+
+
+@needs_triton
+@DTYPES
+@pytest.mark.parametrize("m,k,n", CASES, ids=IDS)
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+def test_norm_linear_kernel_matches_oracle(m, k, n, swiglu, dtype):
+    run_norm_linear(dtype, m, k, n, swiglu)
+
+
+@needs_triton
+@DTYPES
+@pytest.mark.parametrize("m,k,n", CASES, ids=IDS)
+def test_linear_residual_kernel_matches_oracle(m, k, n, dtype):
+    run_linear_residual(dtype, m, k, n)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("m,k,n", CASES, ids=IDS)
+def test_fused_linear_kernels_match_oracle_bf16_gpu(m, k, n):
+    for swiglu in (False, True):
+        run_norm_linear(torch.bfloat16, m, k, n, swiglu)
+    run_linear_residual(torch.bfloat16, m, k, n)
+
+
+def test_references_are_the_model_ops_and_reject_bad_shapes():
+    from splitflash.kernels.fused_norm import rms_norm_ref
+    from splitflash.kernels.silu_mul import silu_mul_ref
+
+    x, norm_w, w, res = (t.cpu() for t in make_case(7, 64, 96, torch.float32))
+    normed = rms_norm_ref(x, norm_w, EPS)
+    assert torch.equal(norm_linear_ref(x, norm_w, EPS, w), normed @ w.T)
+    assert torch.equal(norm_linear_ref(x, norm_w, EPS, w, 48), silu_mul_ref(normed @ w.T, 48))
+    assert torch.equal(linear_residual_ref(x, w[:64], res[:, :64]), res[:, :64] + x @ w[:64].T)
+    with pytest.raises(ValueError, match=r"x must be \[M, K\] and weight \[N, K\]"):
+        norm_linear_ref(x, norm_w, EPS, w[:, :32])
+    with pytest.raises(ValueError, match=r"SwiGLU weight must be \[2 \* 40, K\]"):
+        norm_linear_ref(x, norm_w, EPS, w, 40)
+
+
+def test_fits_takes_only_few_rows_and_one_k_tile():
+    w = torch.zeros(8, 64)
+    assert fits(torch.zeros(MAX_M, 64), w) and fits(torch.zeros(1, 64), w)
+    assert not fits(torch.zeros(MAX_M + 1, 64), w)
+    assert not fits(torch.zeros(4, MAX_K + 1), torch.zeros(8, MAX_K + 1))
+    assert not fits(torch.zeros(4, 128)[:, ::2], w)  # K must have unit stride
+
+
+@needs_triton
+def test_kernels_refuse_what_does_not_fit():
+    from splitflash.kernels.fused_linear import linear_residual_triton, norm_linear_triton
+
+    x, norm_w, w, res = make_case(MAX_M + 1, 64, 96, torch.float32)
+    with pytest.raises(ValueError, match=f"M <= {MAX_M}"):
+        norm_linear_triton(x, norm_w, EPS, w)
+    with pytest.raises(ValueError, match=r"residual \[M, N\]"):
+        linear_residual_triton(x[:4], w, res[:3])
+
+
+def test_dispatch_rule_and_logged_choice(monkeypatch, caplog):
+    from splitflash.kernels import dispatch, fused_dispatch
+
+    x, norm_w, w, res = (t.cpu() for t in make_case(MAX_M + 1, 64, 96, torch.float32))
+    monkeypatch.setenv("SPLITFLASH_FORCE_TRITON", "1")
+    dispatch._announce.cache_clear()
+    with caplog.at_level(logging.INFO, logger="splitflash.kernels"):
+        big = fused_dispatch.linear_residual(x, w, res)  # too many rows: GEMM + add
+        w_grad = w.clone().requires_grad_()
+        fused_dispatch.linear_residual(x[:4], w_grad, res[:4]).sum().backward()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("linear_residual: using GEMM + add" in m and f"M <= {MAX_M}" in m for m in msgs)
+    assert any("GEMM + add" in m and "gradients" in m for m in msgs), msgs
+    assert w_grad.grad is not None and torch.equal(big, linear_residual_ref(x, w, res))
+    monkeypatch.delenv("SPLITFLASH_FORCE_TRITON")
+    dispatch._announce.cache_clear()
+    with caplog.at_level(logging.INFO, logger="splitflash.kernels"):
+        got = fused_dispatch.norm_linear(x[:4], norm_w, EPS, w, 48)
+    assert any("norm_linear: using norm + GEMM (tensors on cpu)" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert torch.equal(got, norm_linear_ref(x[:4], norm_w, EPS, w, 48))
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE != "cpu", reason="compares the interpreter with the CPU path")
+def test_target_forward_through_every_kernel_matches_reference_path(monkeypatch):
+    """Verify steps of a tiny model with every Triton kernel (interpreter) vs the CPU torch
+    path: the same committed tokens and features to fp32 rounding."""
+    from tests.conftest import tiny_model
+    from tests.unit.test_verify_graphs import _engine, _run
+
+    model = tiny_model()
+    prompts, blocks = [[3, 1, 4, 1, 5, 9, 2], [2, 7]], [4, 1, 6]
+    monkeypatch.delenv("SPLITFLASH_FORCE_TRITON", raising=False)
+    want = _run(_engine(model, graphs=False), prompts, blocks, seed=3)
+    monkeypatch.setenv("SPLITFLASH_FORCE_TRITON", "1")
+    got = _run(_engine(model, graphs=False), prompts, blocks, seed=3)
+    assert len(got) == len(want) == 2 * len(blocks)
+    for (rid_a, tok_a, feat_a), (rid_b, tok_b, feat_b) in zip(want, got, strict=True):
+        assert (rid_a, tok_a) == (rid_b, tok_b)
+        torch.testing.assert_close(feat_b, feat_a, rtol=1e-4, atol=1e-4)
