@@ -7,18 +7,20 @@ of weights (latency-bound), and the RMSNorm and SwiGLU around them were launches
 own (~1.6 us each): 210 of a step's ~330 kernels. Here a layer's four linears are four
 kernels and the norms and the activation ride inside them.
 
-Kernel shape: one program owns BLOCK_N output columns of BLOCK_M rows over the WHOLE K extent
-in one tile (BLOCK_K = next_pow2(K) <= MAX_K), so a row's RMSNorm statistics are in the
-program and the product is one tl.dot. The weight tile is loaded first: it depends on no
-earlier kernel, so under programmatic dependent launch (kernels/pdl.py) its read overlaps
-the previous kernel's tail. Rows past BLOCK_M take more programs along grid axis 1; callers
-use these kernels for small M only (`fits`), large M goes to cuBLAS.
+Kernel shape: one program owns BLOCK_N output columns of BLOCK_M rows and walks all of K in
+BLOCK_K steps. RMSNorm is a per-row scale, so the loop multiplies (x * norm weight) into the
+accumulator while summing x^2, and the row's rsqrt(mean(x^2) + eps) scales the result at the
+end. Under programmatic dependent launch (kernels/pdl.py) the program first asks L2 for its
+whole weight tile (no kernel writes weights), then waits for the previous kernel: the weight
+read overlaps that kernel's tail. Rows past BLOCK_M take more programs along grid axis 1;
+callers use these kernels for small M only (`fits`), large M goes to cuBLAS.
 
-Roundings follow the model code (target.RMSNorm, F.linear, MLP, the residual add): the
-normalised row is rounded to x's dtype before the norm weight, that product rounded again;
-the GEMM accumulates in fp32 and rounds once; silu is rounded before the product with up;
-the residual add rounds the projection first, then the sum. Summation order inside the GEMM
-differs from cuBLAS, so results match to rounding, not bit for bit.
+Roundings: the GEMM accumulates in fp32 and rounds its output once (as F.linear); silu is
+rounded before the product with up (as MLP); the residual add rounds the projection, then
+the sum (as `x + proj(a)`). The norm differs from target.RMSNorm in one place: the MMA
+operand is x * norm_weight rounded once, where the model rounds x * rsqrt(...) and then its
+product with the weight; and the summation order differs from cuBLAS. Results therefore
+match the model to rounding, not bit for bit (the tests hold them to the fp64 rule).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from splitflash.kernels.silu_mul import silu_mul_ref
 from splitflash.kernels.tuning import interpreter_active, next_pow2
 
 MAX_M = 64  # rows these kernels take; more rows amortise a cuBLAS launch anyway
-MAX_K = 2048  # a [BLOCK_N, K] weight tile plus [BLOCK_M, K] rows must fit in registers
+# K of the models measured (hidden / MLP width <= 2048): a program walks its whole K, so much
+# wider layers would be better served by cuBLAS's split-K tiles.
+MAX_K = 2048
 BLOCK_M = 16  # the smallest tl.dot tile; a 16-token block is one row tile
 
 
@@ -93,14 +97,24 @@ def _dot_t(a, w, DOT_IEEE: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, row0, n_rows, stride_w, K, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """Rows row0 + [0, BLOCK_N) (< n_rows) of w, all K columns: [BLOCK_N, BLOCK_K]."""
-    rows = row0 + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    mask = (rows < n_rows)[:, None] & (k < K)[None, :]
-    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + k[None, :], mask=mask, other=0.0)
-    return w.to(tl.float32) if UPCAST else w
+def _prefetch_tile_l2(w_ptr, row0, n_rows, stride_w, K, BLOCK_N: tl.constexpr,
+                      LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):  # fmt: skip
+    """Ask L2 for rows row0 + [0, BLOCK_N) of w, all K columns: one `prefetch.global.L2` per
+    128-byte line (addresses clamped into the tile, so the padding lanes re-ask valid lines).
+    No registers hold the data, so the whole tile can be requested before gdc_wait."""
+    rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), n_rows - 1).to(tl.int64)
+    cols = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, K - 1)
+    ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]  # [BLOCK_N, LINES]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _load_rows(ptr, rows, row_ok, stride, k, K, UPCAST: tl.constexpr):
+    """[len(rows), len(k)] of a row-major matrix, zeros outside (rows < M, k < K)."""
+    mask = row_ok[:, None] & (k < K)[None, :]
+    t = tl.load(ptr + rows[:, None].to(tl.int64) * stride + k[None, :], mask=mask, other=0.0)
+    return t.to(tl.float32) if UPCAST else t
 
 
 @triton.jit
@@ -111,37 +125,49 @@ def _norm_linear_kernel(
     out_ptr,  # [M, N] contiguous
     M, N, K, stride_x, stride_w, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     SWIGLU: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     n0 = tl.program_id(0) * BLOCK_N
-    w = _weight_tile(w_ptr, n0, N, stride_w, K, BLOCK_N, BLOCK_K, UPCAST)
-    if SWIGLU:
-        w_up = _weight_tile(w_ptr + N * stride_w, n0, N, stride_w, K, BLOCK_N, BLOCK_K, UPCAST)
-    k = tl.arange(0, BLOCK_K)
-    nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    gdc_sync(USE_GDC)  # everything above reads weights only (kernels/pdl.py)
+    w_up_ptr = w_ptr + N.to(tl.int64) * stride_w  # SwiGLU: the up rows
+    if USE_GDC:  # the weights depend on no kernel: fetch them while the previous one drains
+        _prefetch_tile_l2(w_ptr, n0, N, stride_w, K, BLOCK_N, LINES, LINE_ELEMS)
+        if SWIGLU:
+            _prefetch_tile_l2(w_up_ptr, n0, N, stride_w, K, BLOCK_N, LINES, LINE_ELEMS)
+    gdc_sync(USE_GDC)  # kernels/pdl.py
 
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # fmt: skip
-    xty = x.dtype
-    x = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)  # [BLOCK_M]; padding lanes add zeros
-    a = (x * inv[:, None]).to(xty).to(tl.float32)  # rounded before the weight (RMSNorm)
-    a = (nw[None, :] * a).to(xty)  # [BLOCK_M, BLOCK_K], the normed rows in x's dtype
-    if UPCAST:
-        a = a.to(tl.float32)
-    acc = _dot_t(a, w, DOT_IEEE)  # [BLOCK_M, BLOCK_N] fp32
+    wrows = n0 + tl.arange(0, BLOCK_N)
+    w_ok = wrows < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    sumsq = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = _load_rows(x_ptr, rows, row_ok, stride_x, k, K, False)
+        xty = x.dtype
+        x = x.to(tl.float32)
+        sumsq += tl.sum(x * x, axis=1)
+        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        # RMSNorm is a per-row scale: (x * nw) @ W.T here, times rsqrt(mean(x^2)) at the end.
+        a = (x * nw[None, :]).to(xty)  # [BLOCK_M, BLOCK_K] in x's dtype, the MMA operand
+        if UPCAST:
+            a = a.to(tl.float32)
+        w = _load_rows(w_ptr, wrows, w_ok, stride_w, k, K, UPCAST)  # [BLOCK_N, BLOCK_K]
+        acc += _dot_t(a, w, DOT_IEEE)
+        if SWIGLU:
+            w = _load_rows(w_up_ptr, wrows, w_ok, stride_w, k, K, UPCAST)
+            acc_up += _dot_t(a, w, DOT_IEEE)
+    inv = tl.rsqrt(sumsq / K + eps)[:, None]  # [BLOCK_M, 1]
     oty = out_ptr.dtype.element_ty
+    y = (acc * inv).to(oty).to(tl.float32)  # the projection, rounded as F.linear's output
     if SWIGLU:
-        g = acc.to(oty).to(tl.float32)
-        u = _dot_t(a, w_up, DOT_IEEE).to(oty).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(oty).to(tl.float32)  # F.silu rounds
-        acc = s * u
+        s = (y / (1.0 + tl.exp(-y))).to(oty).to(tl.float32)  # F.silu rounds
+        y = s * (acc_up * inv).to(oty).to(tl.float32)
     cols = n0 + tl.arange(0, BLOCK_N)
     dst = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(dst, acc.to(oty), mask=row_ok[:, None] & (cols < N)[None, :])
+    tl.store(dst, y.to(oty), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
@@ -152,20 +178,24 @@ def _linear_residual_kernel(
     out_ptr,  # [M, N] contiguous
     M, N, K, stride_a, stride_w, stride_r,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     n0 = tl.program_id(0) * BLOCK_N
-    w = _weight_tile(w_ptr, n0, N, stride_w, K, BLOCK_N, BLOCK_K, UPCAST)
-    gdc_sync(USE_GDC)  # everything above reads weights only (kernels/pdl.py)
+    if USE_GDC:  # the weights depend on no kernel: fetch them while the previous one drains
+        _prefetch_tile_l2(w_ptr, n0, N, stride_w, K, BLOCK_N, LINES, LINE_ELEMS)
+    gdc_sync(USE_GDC)  # kernels/pdl.py
 
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    k = tl.arange(0, BLOCK_K)
-    a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_a + k[None, :],
-                mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # fmt: skip
-    if UPCAST:
-        a = a.to(tl.float32)
-    acc = _dot_t(a, w, DOT_IEEE)  # [BLOCK_M, BLOCK_N] fp32
+    wrows = n0 + tl.arange(0, BLOCK_N)
+    w_ok = wrows < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = _load_rows(a_ptr, rows, row_ok, stride_a, k, K, UPCAST)  # [BLOCK_M, BLOCK_K]
+        w = _load_rows(w_ptr, wrows, w_ok, stride_w, k, K, UPCAST)  # [BLOCK_N, BLOCK_K]
+        acc += _dot_t(a, w, DOT_IEEE)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < N)[None, :]
     r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask,
@@ -175,14 +205,25 @@ def _linear_residual_kernel(
     tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], y.to(oty), mask=mask)
 
 
-def _launch_shape(n_cols: int, k: int, tiles: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): narrow column tiles so even a 576-column layer spreads
-    over ~36 SMs (the work is latency, not bandwidth); 8 warps hold the [*, K] tiles in
-    registers at K 1024-2048. tiles: weight tiles per program (2 with SwiGLU)."""
-    block_k = max(16, next_pow2(k))
-    block_n = 16 if n_cols <= 4096 else 32
-    warps = 4 if block_k * tiles <= 1024 else 8
-    return block_n, block_k, warps
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of one launch.
+LinearConfig = tuple[int, int, int, int]
+
+
+def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
+    """The tile config of a launch: `config` if given (sweeps), else narrow column tiles so
+    even a 576-column layer spreads over 36 SMs (the work is latency, not bandwidth) and a
+    K loop of 128-wide steps, pipelined 3 deep."""
+    if config is not None:
+        return config
+    return 16, min(128, max(16, next_pow2(k))), 4, 3
+
+
+def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None) -> dict:
+    block_n, block_k, warps, stages = launch_config(k, config)
+    line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                num_stages=stages, LINE_ELEMS=line_elems,
+                LINES=next_pow2(-(-k // line_elems)))  # fmt: skip
 
 
 def _precision(x: torch.Tensor) -> dict:
@@ -196,6 +237,7 @@ def norm_linear_triton(
     eps: float,
     weight: torch.Tensor,  # [N, K]; SwiGLU: [2I, K]
     swiglu_hidden: int | None = None,
+    config: LinearConfig | None = None,
 ) -> torch.Tensor:  # [M, N] or [M, I], x's dtype
     """Same contract as norm_linear_ref, for inputs that `fits`."""
     _check(x, weight, swiglu_hidden)
@@ -205,12 +247,11 @@ def norm_linear_triton(
     m, k = x.shape
     n = weight.shape[0] if swiglu_hidden is None else swiglu_hidden
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    block_n, block_k, warps = _launch_shape(n, k, 1 if swiglu_hidden is None else 2)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
+    meta = _tile_meta(weight, k, config)
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, BLOCK_M))
     _norm_linear_kernel[grid](
         x, norm_weight.contiguous(), weight, out, m, n, k, x.stride(0), weight.stride(0),
-        float(eps), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        SWIGLU=swiglu_hidden is not None, num_warps=warps, **_precision(x),
+        float(eps), SWIGLU=swiglu_hidden is not None, **meta, **_precision(x),
         **pdl_launch(x.device),
     )  # fmt: skip
     return out
@@ -220,6 +261,7 @@ def linear_residual_triton(
     a: torch.Tensor,  # [M, K], M <= MAX_M, K <= MAX_K
     weight: torch.Tensor,  # [N, K]
     residual: torch.Tensor,  # [M, N], a's dtype
+    config: LinearConfig | None = None,
 ) -> torch.Tensor:  # residual + a @ weight.T, [M, N]
     """Same contract as linear_residual_ref, for inputs that `fits`."""
     _check(a, weight)
@@ -230,11 +272,10 @@ def linear_residual_triton(
                          f"strides and residual [M, N]; got a {tuple(a.shape)}, weight "
                          f"{tuple(weight.shape)}, residual {tuple(residual.shape)}")  # fmt: skip
     out = torch.empty((m, n), device=a.device, dtype=residual.dtype)
-    block_n, block_k, warps = _launch_shape(n, k, 1)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
+    meta = _tile_meta(weight, k, config)
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, BLOCK_M))
     _linear_residual_kernel[grid](
         a, weight, residual, out, m, n, k, a.stride(0), weight.stride(0), residual.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        **_precision(a), **pdl_launch(a.device),
+        **meta, **_precision(a), **pdl_launch(a.device),
     )  # fmt: skip
     return out
