@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for cfg in CONFIGS:
             try:
-                us = _chain_us(lambda c=cfg: fused(c), args.chain, args.reps)
+                us = _chain_us(lambda c=cfg, f=fused: f(c), args.chain, args.reps)
             except Exception as exc:  # a config that does not compile: say which, go on
                 print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
