@@ -1,23 +1,34 @@
 #!/usr/bin/env bash
 # Device call for issue 5's fused small-M linears + programmatic dependent launch (carry: .whl),
 # most important first, every step logged to $OUT/log.txt:
-#   1. the bf16 GPU tests (every kernel vs its reference, captured graphs == eager);
+#   1. tile configs of the fused linears vs the unfused ops (bench/linear_sweep.py); the
+#      config with the best total over the four shapes is used in step 2 as well;
 #   2. the verify step of the default model's shape at 512 / 185k, side by side: fused + PDL
-#      (the default), fused without PDL, and neither (cuBLAS GEMMs, separate norm / SwiGLU);
-#   3. the draft-step graphs at 128k (their GPU test was fixed after the last device run).
+#      (the default), the same with the swept config, unfused without PDL, unfused with PDL on
+#      RoPE / attention / combine only.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/log.txt") 2>&1
-echo "== gpu tests"; date +%T
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit -x 2>&1 | tail -15
-for variant in "fused_pdl 1 1" "fused 1 0" "unfused 0 0"; do
+echo "== linear sweep"; date +%T
+timeout 200 python3 -m bench.linear_sweep --json-out "$OUT/linear_sweep.json" 2>&1 | tail -12
+best=$(python3 - "$OUT/linear_sweep.json" <<'P'
+import json, sys, collections
+rows = json.load(open(sys.argv[1]))["results"]
+tot = collections.defaultdict(float); n = collections.Counter()
+for r in rows:
+    if r["config"]:
+        tot[tuple(r["config"])] += r["us"]; n[tuple(r["config"])] += 1
+full = [c for c in tot if n[c] == max(n.values())]
+print(",".join(map(str, min(full, key=tot.get))))
+P
+)
+echo "best total config: $best"; date +%T
+for variant in "fused_pdl 1 1 -" "fused_pdl_swept 1 1 $best" "unfused 0 0 -" "unfused_pdl 0 1 -"; do
   set -- $variant
+  cfg=$4; [ "$cfg" = "-" ] && cfg=""
   echo "== verify_step $1"; date +%T
-  SPLITFLASH_FUSED_LINEAR=$2 SPLITFLASH_PDL=$3 timeout 110 python3 -m bench.verify_step \
-    --contexts 512 185000 --q-lens 16 --reps 30 --profile --json-out "$OUT/verify_step_$1.json" \
-    2>&1 | grep -v "^    .*us .*x  " | tail -8
+  SPLITFLASH_FUSED_LINEAR=$2 SPLITFLASH_PDL=$3 SPLITFLASH_LINEAR_CONFIG=$cfg timeout 70 \
+    python3 -m bench.verify_step --contexts 512 185000 --q-lens 16 --reps 40 --profile \
+    --json-out "$OUT/verify_step_$1.json" 2>&1 | grep -v "^    .*us .*x  " | tail -3
 done
-echo "== draft graphs"; date +%T
-timeout 40 python3 -m bench.draft_graphs --contexts 131072 --batches 1 8 --reps 20 \
-  --json-out "$OUT/draft_graphs.json" 2>&1 | tail -6
 date +%T

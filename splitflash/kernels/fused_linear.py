@@ -25,6 +25,8 @@ match the model to rounding, not bit for bit (the tests hold them to the fp64 ru
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -215,6 +217,14 @@ def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
     K loop of 128-wide steps, pipelined 3 deep."""
     if config is not None:
         return config
+    text = os.environ.get("SPLITFLASH_LINEAR_CONFIG", "").strip()  # one config, for sweeps
+    if text:
+        try:
+            block_n, block_k, warps, stages = (int(v) for v in text.split(","))
+        except ValueError:
+            raise ValueError("SPLITFLASH_LINEAR_CONFIG must be BLOCK_N,BLOCK_K,warps,stages "
+                             f"(e.g. 16,128,4,3), got {text!r}") from None  # fmt: skip
+        return block_n, block_k, warps, stages
     return 16, min(128, max(16, next_pow2(k))), 4, 3
 
 
