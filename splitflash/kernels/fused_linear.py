@@ -211,10 +211,14 @@ def _linear_residual_kernel(
 LinearConfig = tuple[int, int, int, int]
 
 
-def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
-    """The tile config of a launch: `config` if given (sweeps), else narrow column tiles so
-    even a 576-column layer spreads over 36 SMs (the work is latency, not bandwidth) and a
-    K loop of 128-wide steps, pipelined 3 deep."""
+def launch_config(k: int, norm: bool, config: LinearConfig | None = None) -> LinearConfig:
+    """The tile config of a launch: `config` if given, else SPLITFLASH_LINEAR_CONFIG, else the
+    H200 sweep's picks (bench/linear_sweep.py, bench/RESULTS.md; time per launch inside a
+    chain of dependent launches, the default model's layers at M 16):
+    - norm + linear: (32, 64, 4, 4), 5.1 us at 576 -> 960 and 5.6 us at 576 -> 2 x 1536 +
+      SwiGLU (norm + cuBLAS (+ SwiGLU): 4.3 and 6.1 us);
+    - linear + residual, K <= 1024: (16, 64, 4, 4), 2.3 us at 576 -> 576 (cuBLAS + add 4.3);
+      wider K: (32, 256, 4, 3), 3.5 us at 1536 -> 576 (5.6)."""
     if config is not None:
         return config
     text = os.environ.get("SPLITFLASH_LINEAR_CONFIG", "").strip()  # one config, for sweeps
@@ -225,11 +229,13 @@ def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
             raise ValueError("SPLITFLASH_LINEAR_CONFIG must be BLOCK_N,BLOCK_K,warps,stages "
                              f"(e.g. 16,128,4,3), got {text!r}") from None  # fmt: skip
         return block_n, block_k, warps, stages
-    return 16, min(128, max(16, next_pow2(k))), 4, 3
+    if norm:
+        return 32, 64, 4, 4
+    return (16, 64, 4, 4) if k <= 1024 else (32, 256, 4, 3)
 
 
-def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None) -> dict:
-    block_n, block_k, warps, stages = launch_config(k, config)
+def _tile_meta(t: torch.Tensor, k: int, norm: bool, config: LinearConfig | None) -> dict:
+    block_n, block_k, warps, stages = launch_config(k, norm, config)
     line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                 num_stages=stages, LINE_ELEMS=line_elems,
@@ -257,7 +263,7 @@ def norm_linear_triton(
     m, k = x.shape
     n = weight.shape[0] if swiglu_hidden is None else swiglu_hidden
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    meta = _tile_meta(weight, k, config)
+    meta = _tile_meta(weight, k, True, config)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, BLOCK_M))
     _norm_linear_kernel[grid](
         x, norm_weight.contiguous(), weight, out, m, n, k, x.stride(0), weight.stride(0),
@@ -282,7 +288,7 @@ def linear_residual_triton(
                          f"strides and residual [M, N]; got a {tuple(a.shape)}, weight "
                          f"{tuple(weight.shape)}, residual {tuple(residual.shape)}")  # fmt: skip
     out = torch.empty((m, n), device=a.device, dtype=residual.dtype)
-    meta = _tile_meta(weight, k, config)
+    meta = _tile_meta(weight, k, False, config)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, BLOCK_M))
     _linear_residual_kernel[grid](
         a, weight, residual, out, m, n, k, a.stride(0), weight.stride(0), residual.stride(0),
