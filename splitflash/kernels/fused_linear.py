@@ -4,8 +4,8 @@ the residual add after. Torch references and Triton kernels with one contract.
 Why: a verify step runs every linear layer on M = B * Q rows (16 for one request's block).
 On the H200 the cuBLAS GEMMs of the default model took ~3.7 us each at M = 16 for 0.3-1.8 MB
 of weights (latency-bound), and the RMSNorm and SwiGLU around them were launches of their
-own (~1.6 us each): 210 of a step's ~330 kernels. Here a layer's four linears are four
-kernels and the norms and the activation ride inside them.
+own (~1.6 us each), as were the residual adds: 270 of a step's ~390 kernels. Here a layer's
+four linears are four kernels, with the norms, the activation and the adds inside them.
 
 Kernel shape: one program owns BLOCK_N output columns of BLOCK_M rows and walks all of K in
 BLOCK_K steps. RMSNorm is a per-row scale, so the loop multiplies (x * norm weight) into the
@@ -54,7 +54,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out_cols: int | None = None) -
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Do these kernels take this product (few rows, K in one tile, unit stride along K)?"""
+    """Do these kernels take this product (M <= MAX_M, K <= MAX_K, unit stride along K)?"""
     return (
         x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and x.shape[1] <= MAX_K
         and x.stride(1) == 1 and weight.stride(1) == 1

@@ -12,12 +12,13 @@ and its writes are visible. Rules every PDL kernel here follows:
   (a kernel finishes only after the one before it did);
 - `gdc_launch_dependents` right after the wait, so the next kernel can be scheduled early.
 
-The attention kernel is NOT launched with PDL: its grid is planned as exactly one resident
-wave (kernels/tuning.py), and programs placed early next to the previous kernel's left some
-of its programs without a slot until a first one finished, a second wave for a whole split.
-Measured on the H200 (bench/RESULTS.md): PDL on RoPE / attention / combine made the 185k
-verify step 0.43 ms slower (2.92 vs 2.49 ms) while saving 0.15 ms at 512. The combine after
-it may use PDL: attention never triggers early, so combine starts as attention completes.
+The attention kernel is NOT launched with PDL. Measured on the H200 (bench/RESULTS.md): PDL
+on RoPE / attention / combine made the 185k verify step 0.43 ms slower (2.92 vs 2.49 ms)
+while saving 0.15 ms at 512. The likely cause: its grid is planned as exactly one resident
+wave (kernels/tuning.py), and programs placed early, next to the previous kernel's, leave
+some without a slot until a first one finishes (a second wave for a whole split). The
+combine after it may use PDL: attention never triggers early, so combine starts as
+attention completes.
 
 Off (USE_GDC False, no launch flag) on CPU, in the interpreter, before sm_90, and with
 SPLITFLASH_PDL=0 (to measure with and without, or to rule it out when debugging).
