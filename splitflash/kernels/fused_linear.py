@@ -8,18 +8,19 @@ own (~1.6 us each), as were the residual adds: 270 of a step's ~390 kernels. Her
 four linears are four kernels, with the norms, the activation and the adds inside them.
 
 Kernel shape: one program owns BLOCK_N output columns of BLOCK_M rows and walks all of K in
-BLOCK_K steps. RMSNorm is a per-row scale, so the loop multiplies (x * norm weight) into the
-accumulator while summing x^2, and the row's rsqrt(mean(x^2) + eps) scales the result at the
-end. Under programmatic dependent launch (kernels/pdl.py) the program first asks L2 for its
-whole weight tile (no kernel writes weights), then waits for the previous kernel: the weight
+BLOCK_K steps. RMSNorm is a per-row scale once its weight is folded into the linear weight
+(`fold_norm_weight`, computed once and cached): the loop is a plain GEMM of x and W * nw,
+the row's rsqrt(mean(x^2) + eps) (from one load of whole rows) scales the result. Under
+programmatic dependent launch (kernels/pdl.py) the program first asks L2 for its whole
+weight tile (no kernel writes weights), then waits for the previous kernel: the weight
 read overlaps that kernel's tail. Rows past BLOCK_M take more programs along grid axis 1;
 callers use these kernels for small M only (`fits`), large M goes to cuBLAS.
 
 Roundings: the GEMM accumulates in fp32 and rounds its output once (as F.linear); silu is
 rounded before the product with up (as MLP); the residual add rounds the projection, then
-the sum (as `x + proj(a)`). The norm differs from target.RMSNorm in one place: the MMA
-operand is x * norm_weight rounded once, where the model rounds x * rsqrt(...) and then its
-product with the weight; and the summation order differs from cuBLAS. Results therefore
+the sum (as `x + proj(a)`). The norm differs from target.RMSNorm in one place: W * nw is
+rounded once to the weights' dtype, where the model rounds x * rsqrt(...) and then its
+product with nw; and the summation order differs from cuBLAS. Results therefore
 match the model to rounding, not bit for bit (the tests hold them to the fp64 rule).
 """
 
@@ -122,12 +123,12 @@ def _load_rows(ptr, rows, row_ok, stride, k, K, UPCAST: tl.constexpr):
 @triton.jit
 def _norm_linear_kernel(
     x_ptr,  # [M, K]
-    nw_ptr,  # [K] norm weight
-    w_ptr,  # [N_W, K]: N_W = N, or 2 * N for SwiGLU (gate rows, then up rows)
+    w_ptr,  # [N_W, K] with the norm weight folded in (fold_norm_weight): N_W = N, or 2 * N
+    #         for SwiGLU (gate rows, then up rows)
     out_ptr,  # [M, N] contiguous
     M, N, K, stride_x, stride_w, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    BLOCK_ROW: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     SWIGLU: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     n0 = tl.program_id(0) * BLOCK_N
@@ -140,29 +141,26 @@ def _norm_linear_kernel(
 
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
+    # The rows' mean square from one load of whole rows (BLOCK_ROW = next_pow2(K)): kept out
+    # of the K loop, whose operands then stream straight into the MMA (a loop that built its
+    # operand in registers measured ~2x slower on the H200).
+    x = _load_rows(x_ptr, rows, row_ok, stride_x, tl.arange(0, BLOCK_ROW), K, False)
+    x = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)[:, None]  # [BLOCK_M, 1]
     wrows = n0 + tl.arange(0, BLOCK_N)
     w_ok = wrows < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    sumsq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = _load_rows(x_ptr, rows, row_ok, stride_x, k, K, False)
-        xty = x.dtype
-        x = x.to(tl.float32)
-        sumsq += tl.sum(x * x, axis=1)
-        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        # RMSNorm is a per-row scale: (x * nw) @ W.T here, times rsqrt(mean(x^2)) at the end.
-        a = (x * nw[None, :]).to(xty)  # [BLOCK_M, BLOCK_K] in x's dtype, the MMA operand
-        if UPCAST:
-            a = a.to(tl.float32)
+        a = _load_rows(x_ptr, rows, row_ok, stride_x, k, K, UPCAST)  # [BLOCK_M, BLOCK_K]
         w = _load_rows(w_ptr, wrows, w_ok, stride_w, k, K, UPCAST)  # [BLOCK_N, BLOCK_K]
         acc += _dot_t(a, w, DOT_IEEE)
         if SWIGLU:
             w = _load_rows(w_up_ptr, wrows, w_ok, stride_w, k, K, UPCAST)
             acc_up += _dot_t(a, w, DOT_IEEE)
-    inv = tl.rsqrt(sumsq / K + eps)[:, None]  # [BLOCK_M, 1]
     oty = out_ptr.dtype.element_ty
+    # RMSNorm is a per-row scale: x @ (W * nw).T times the row's rsqrt(mean(x^2) + eps).
     y = (acc * inv).to(oty).to(tl.float32)  # the projection, rounded as F.linear's output
     if SWIGLU:
         s = (y / (1.0 + tl.exp(-y))).to(oty).to(tl.float32)  # F.silu rounds
@@ -211,14 +209,14 @@ def _linear_residual_kernel(
 LinearConfig = tuple[int, int, int, int]
 
 
-def launch_config(k: int, norm: bool, config: LinearConfig | None = None) -> LinearConfig:
+def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
     """The tile config of a launch: `config` if given, else SPLITFLASH_LINEAR_CONFIG, else the
     H200 sweep's picks (bench/linear_sweep.py, bench/RESULTS.md; time per launch inside a
     chain of dependent launches, the default model's layers at M 16):
-    - norm + linear: (32, 64, 4, 4), 5.1 us at 576 -> 960 and 5.6 us at 576 -> 2 x 1536 +
-      SwiGLU (norm + cuBLAS (+ SwiGLU): 4.3 and 6.1 us);
-    - linear + residual, K <= 1024: (16, 64, 4, 4), 2.3 us at 576 -> 576 (cuBLAS + add 4.3);
-      wider K: (32, 256, 4, 3), 3.5 us at 1536 -> 576 (5.6)."""
+    - K <= 1024: (16, 64, 4, 4), 2.3 us at 576 -> 576 + residual (cuBLAS + add: 4.3 us).
+      The norm kernels take it too: with the norm weight folded they run the same K loop
+      (the sweep ran before the fold, when their best was (32, 64, 4, 4) at 5.1-5.6 us).
+    - wider K: (32, 256, 4, 3), 3.5 us at 1536 -> 576 + residual (cuBLAS + add: 5.6 us)."""
     if config is not None:
         return config
     text = os.environ.get("SPLITFLASH_LINEAR_CONFIG", "").strip()  # one config, for sweeps
@@ -229,17 +227,32 @@ def launch_config(k: int, norm: bool, config: LinearConfig | None = None) -> Lin
             raise ValueError("SPLITFLASH_LINEAR_CONFIG must be BLOCK_N,BLOCK_K,warps,stages "
                              f"(e.g. 16,128,4,3), got {text!r}") from None  # fmt: skip
         return block_n, block_k, warps, stages
-    if norm:
-        return 32, 64, 4, 4
     return (16, 64, 4, 4) if k <= 1024 else (32, 256, 4, 3)
 
 
-def _tile_meta(t: torch.Tensor, k: int, norm: bool, config: LinearConfig | None) -> dict:
-    block_n, block_k, warps, stages = launch_config(k, norm, config)
+def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None) -> dict:
+    block_n, block_k, warps, stages = launch_config(k, config)
     line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                 num_stages=stages, LINE_ELEMS=line_elems,
                 LINES=next_pow2(-(-k // line_elems)))  # fmt: skip
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] with its columns scaled by the RMSNorm weight [K], rounded once to
+    weight's dtype: rmsnorm(x) * nw @ W.T = (x @ (W * nw).T) * rsqrt(mean(x^2) + eps). Cached
+    on `weight` itself (it lives and dies with the parameter; a CUDA graph captured after the
+    first call reuses the same tensor) until either tensor is modified or replaced."""
+    try:
+        key = (norm_weight.data_ptr(), weight._version, norm_weight._version)
+    except RuntimeError:  # inference tensors keep no version counter: fold every call
+        return (weight.float() * norm_weight.float()).to(weight.dtype)
+    hit = getattr(weight, "_splitflash_folded", None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    folded = (weight.float() * norm_weight.float()).to(weight.dtype).contiguous()
+    weight._splitflash_folded = (key, folded)
+    return folded
 
 
 def _precision(x: torch.Tensor) -> dict:
@@ -263,12 +276,13 @@ def norm_linear_triton(
     m, k = x.shape
     n = weight.shape[0] if swiglu_hidden is None else swiglu_hidden
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    meta = _tile_meta(weight, k, True, config)
+    meta = _tile_meta(weight, k, config)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, BLOCK_M))
+    folded = fold_norm_weight(weight, norm_weight)
     _norm_linear_kernel[grid](
-        x, norm_weight.contiguous(), weight, out, m, n, k, x.stride(0), weight.stride(0),
-        float(eps), SWIGLU=swiglu_hidden is not None, **meta, **_precision(x),
-        **pdl_launch(x.device),
+        x, folded, out, m, n, k, x.stride(0), folded.stride(0), float(eps),
+        SWIGLU=swiglu_hidden is not None, BLOCK_ROW=max(16, next_pow2(k)), **meta,
+        **_precision(x), **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -288,7 +302,7 @@ def linear_residual_triton(
                          f"strides and residual [M, N]; got a {tuple(a.shape)}, weight "
                          f"{tuple(weight.shape)}, residual {tuple(residual.shape)}")  # fmt: skip
     out = torch.empty((m, n), device=a.device, dtype=residual.dtype)
-    meta = _tile_meta(weight, k, False, config)
+    meta = _tile_meta(weight, k, config)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, BLOCK_M))
     _linear_residual_kernel[grid](
         a, weight, residual, out, m, n, k, a.stride(0), weight.stride(0), residual.stride(0),

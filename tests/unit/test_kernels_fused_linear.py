@@ -179,3 +179,20 @@ def test_target_forward_through_every_kernel_matches_reference_path(monkeypatch)
     for (rid_a, tok_a, feat_a), (rid_b, tok_b, feat_b) in zip(want, got, strict=True):
         assert (rid_a, tok_a) == (rid_b, tok_b)
         torch.testing.assert_close(feat_b, feat_a, rtol=1e-4, atol=1e-4)
+
+
+def test_folded_norm_weight_is_cached_until_a_weight_changes():
+    from splitflash.kernels.fused_linear import fold_norm_weight
+
+    _, norm_w, w, _ = (t.cpu() for t in make_case(4, 64, 96, torch.float16))
+    w, norm_w = w.clone(), norm_w.clone()
+    first = fold_norm_weight(w, norm_w)
+    assert torch.equal(first, (w.float() * norm_w.float()).half())
+    assert fold_norm_weight(w, norm_w) is first  # cached: a CUDA graph keeps one tensor
+    norm_w.mul_(2)  # an in-place update (a reload) must not serve the stale fold
+    assert torch.equal(fold_norm_weight(w, norm_w), (w.float() * norm_w.float()).half())
+    other = norm_w.clone()  # another norm weight for the same linear
+    assert fold_norm_weight(w, other) is not first
+    with torch.inference_mode():  # inference tensors have no version counter: no caching
+        w_inf, nw_inf = w.clone(), norm_w.clone()
+        assert torch.equal(fold_norm_weight(w_inf, nw_inf), (w.float() * norm_w.float()).half())
