@@ -23,8 +23,25 @@ class UnknownSequenceError(KeyError):
 
 @dataclass
 class SequenceKV:
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # change only through the cache's methods
     length: int = 0  # tokens whose K/V are stored
+    # int32 copy of `pages` (the first len(pages) entries are valid), grown by doubling, so a
+    # step's page table is a memcpy: converting the whole list every step cost ~1 ms of host
+    # time per 185k-token request (O(context) work in an O(block) step).
+    page_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
+
+    def append_pages(self, new: list[int]) -> None:
+        n = len(self.pages)
+        if n + len(new) > len(self.page_ids):
+            grown = torch.empty(max(2 * len(self.page_ids), n + len(new), 16), dtype=torch.int32)
+            grown[:n] = self.page_ids[:n]
+            self.page_ids = grown
+        if len(new) <= 4:  # the usual step crosses at most a page or two: scalar writes
+            for i, page in enumerate(new):
+                self.page_ids[n + i] = page
+        else:
+            self.page_ids[n : n + len(new)] = torch.tensor(new, dtype=torch.int32)
+        self.pages.extend(new)
 
 
 class PagedKVCache:
@@ -99,8 +116,8 @@ class PagedKVCache:
                 f"{self.page_size} tokens, {len(self._free)} of {self.num_pages} free "
                 "(raise the page count, e.g. SPLITFLASH_VERIFY_KV_PAGES, or lower the load)"
             )
-        for _ in range(max(0, need)):
-            seq.pages.append(self._free.pop())
+        if need > 0:
+            seq.append_pages([self._free.pop() for _ in range(need)])
 
     def truncate(self, seq_id: str, new_length: int) -> None:
         """Roll back: forget tokens past `new_length` and return pages no longer needed."""
@@ -120,18 +137,20 @@ class PagedKVCache:
 
     # --- tensors ---------------------------------------------------------------------
     def slots(self, seq_id: str, start: int, end: int) -> torch.Tensor:
-        """Flat slot ids (page * S + offset) of positions [start, end): [end - start]."""
-        pages = torch.tensor(self.seq(seq_id).pages, dtype=torch.long)
-        pos = torch.arange(start, end)
+        """Flat slot ids (page * S + offset) of positions [start, end): [end - start].
+        Reads only the pages of that range: O(end - start), whatever the context."""
+        first = start // self.page_size
+        pages = self._page_ids(seq_id)[first : -(-end // self.page_size)].long()
+        pos = torch.arange(start, end) - first * self.page_size
         return pages[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def page_table(self, seq_ids: list[str], device=None) -> torch.Tensor:
         """[B, max_pages] int32, padded with 0 (never read: kv_lens bound the reads)."""
-        width = max([len(self.seq(s).pages) for s in seq_ids] + [1])
-        table = torch.zeros((len(seq_ids), width), dtype=torch.int32)
-        for row, seq_id in enumerate(seq_ids):
-            pages = self.seq(seq_id).pages
-            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        seqs = [self.seq(s) for s in seq_ids]
+        width = max([len(s.pages) for s in seqs] + [1])
+        table = torch.zeros((len(seqs), width), dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            table[row, : len(seq.pages)] = seq.page_ids[: len(seq.pages)]
         return table.to(device or self.k.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -158,6 +177,11 @@ class PagedKVCache:
             cache[:, dst_page, dst_slot] = cache[:, src_page, src_slot].clone()
 
     def slots_of(self, seq_id: str, positions: list[int]) -> torch.Tensor:
-        pages = torch.tensor(self.seq(seq_id).pages, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+        pages = self._page_ids(seq_id)[pos // self.page_size].long()
+        return pages * self.page_size + pos % self.page_size
+
+    def _page_ids(self, seq_id: str) -> torch.Tensor:
+        """[len(pages)] int32 view of a sequence's page ids (indexing past it raises)."""
+        seq = self.seq(seq_id)
+        return seq.page_ids[: len(seq.pages)]

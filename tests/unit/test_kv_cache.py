@@ -76,3 +76,51 @@ def test_move_compacts_positions_in_every_layer():
     for layer in range(2):
         got = cache.read(layer, cache.slots("a", 3, 5))[0][:, 0, 0]
         assert got.tolist() == [4 + 100 * layer, 6 + 100 * layer]
+
+
+def test_page_tensors_follow_the_page_lists_through_random_growth_and_roll_back():
+    """The int32 page mirror (what slots / page_table read) against the page lists
+    themselves, over random reserve / truncate / free / re-add, pages crossing the mirror's
+    doublings; and a range past the reserved pages still refuses."""
+    import random
+
+    rng = random.Random(5)
+    cache = make_cache(pages=300, size=4)
+    lengths = {}
+    for step in range(400):
+        name = rng.choice("abc")
+        if name not in lengths:
+            cache.add(name)
+            lengths[name] = 0
+        op = rng.random()
+        if op < 0.6:
+            new = lengths[name] + rng.choice([1, 3, 17, 60])
+            if cache.can_reserve({name: new}):
+                cache.reserve(name, new)
+                lengths[name] = new
+        elif op < 0.9:
+            lengths[name] = rng.randrange(lengths[name] + 1)
+            cache.truncate(name, lengths[name])
+        else:
+            cache.free(name)
+            del lengths[name]
+            continue
+        pages, n = cache.seq(name).pages, lengths[name]
+        if n:
+            start = rng.randrange(n)
+            want = [pages[p // 4] * 4 + p % 4 for p in range(start, n)]
+            assert cache.slots(name, start, n).tolist() == want, step
+            picks = rng.sample(range(n), min(n, 5))
+            assert cache.slots_of(name, picks).tolist() == [pages[p // 4] * 4 + p % 4
+                                                            for p in picks]  # fmt: skip
+        names = sorted(lengths)
+        table = cache.page_table(names)
+        for row, other in enumerate(names):
+            got = cache.seq(other).pages
+            assert table[row, : len(got)].tolist() == got and not table[row, len(got) :].any()
+    name = next(iter(lengths))
+    reserved = len(cache.seq(name).pages) * 4
+    with pytest.raises(IndexError):
+        cache.slots(name, reserved, reserved + 5)
+    with pytest.raises(IndexError):
+        cache.slots_of(name, [reserved + 1])
