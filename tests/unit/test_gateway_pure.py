@@ -111,3 +111,54 @@ def test_text_stream_waits_for_whole_characters():
     assert stream.push([1]) == "caf"
     assert stream.push([2]) == ""
     assert stream.push([3]) == "é!"
+
+
+def _byte_tokens(rng):
+    """A byte-level tokenizer's view of a random text: tokens are byte chunks of it, in
+    order (multi-byte characters split across tokens). Returns (decode, ids)."""
+    words = ["Un", "café,", "plaît!", "東京", "END", "naïve", "☕", "END\n", "fin", "ff"]
+    data = " ".join(rng.choice(words) for _ in range(40)).encode()
+    cuts = sorted(rng.sample(range(1, len(data)), len(data) // 3))
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    return (lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace"),
+            list(range(len(pieces))))  # fmt: skip
+
+
+def _sentencepiece_tokens(rng):
+    """SentencePiece-like: "▁" is a space and the decoded text's leading space is dropped,
+    so a token decodes differently at the start of a window than inside it. Any token
+    sequence is valid text. Returns (decode, ids)."""
+    pieces = ["▁the", "re", "▁é", "té", "▁END", "▁E", "ND", "!", "▁x", "yz", "▁", "\n"]
+    return (lambda ids: "".join(pieces[i] for i in ids).replace("▁", " ").removeprefix(" "),
+            [rng.randrange(len(pieces)) for _ in range(rng.randrange(1, 120))])  # fmt: skip
+
+
+def test_text_stream_equals_a_full_decode_cut_at_the_first_stop_and_decodes_a_window():
+    """Spec oracle: the concatenated stream is the full decode of every token, cut at the
+    earliest stop string; each push decodes a bounded window, not the whole output."""
+    import random
+
+    rng = random.Random(11)
+    for trial in range(60):
+        decode, ids = _byte_tokens(rng) if trial % 2 else _sentencepiece_tokens(rng)
+        stop = rng.choice([(), ("END",), ("ND\n", "é"), ("東京", "ff", "!")])
+        longest = [0]
+
+        def spy(window, decode=decode, longest=longest):
+            longest[0] = max(longest[0], len(window))
+            return decode(window)
+
+        stream, out, i = TextStream(spy, stop), [], 0
+        while i < len(ids) and not stream.stopped:
+            n = rng.choice([1, 1, 2, 5])
+            out.append(stream.push(ids[i : i + n]))
+            i += n
+        out.append(stream.flush())
+        full = decode(ids)
+        hits = [at for s in stop if (at := full.find(s)) != -1]
+        want = full[: min(hits)] if hits else full
+        assert "".join(out) == want, (trial, stop)
+        assert stream.stopped == bool(hits)
+        # A window is the previous delta's tokens plus this push's (more only while a
+        # character or a token's text is incomplete): never the whole output.
+        assert longest[0] <= 12 or longest[0] < len(ids) // 2, (trial, longest[0], len(ids))
