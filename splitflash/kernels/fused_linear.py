@@ -242,9 +242,12 @@ def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.T
     """weight [N, K] with its columns scaled by the RMSNorm weight [K], rounded once to
     weight's dtype: rmsnorm(x) * nw @ W.T = (x @ (W * nw).T) * rsqrt(mean(x^2) + eps). Cached
     on `weight` itself (it lives and dies with the parameter; a CUDA graph captured after the
-    first call reuses the same tensor) until either tensor is modified or replaced."""
+    first call reuses the same tensor) until either tensor is modified or replaced. The cost
+    is a second copy of those weights on the device (qkv and gate_up: 140 MB of the default
+    model's 270 MB in bf16)."""
     try:
-        key = (norm_weight.data_ptr(), weight._version, norm_weight._version)
+        # data_ptr: `model.to(...)` swaps a parameter's data under the same Python object.
+        key = (weight.data_ptr(), norm_weight.data_ptr(), weight._version, norm_weight._version)
     except RuntimeError:  # inference tensors keep no version counter: fold every call
         return (weight.float() * norm_weight.float()).to(weight.dtype)
     hit = getattr(weight, "_splitflash_folded", None)

@@ -193,6 +193,11 @@ def test_folded_norm_weight_is_cached_until_a_weight_changes():
     assert torch.equal(fold_norm_weight(w, norm_w), (w.float() * norm_w.float()).half())
     other = norm_w.clone()  # another norm weight for the same linear
     assert fold_norm_weight(w, other) is not first
+    param = torch.nn.Parameter(w.clone(), requires_grad=False)
+    on_cpu = fold_norm_weight(param, norm_w)
+    param.data = param.data.float()  # what model.to(dtype / device) does to a parameter
+    moved = fold_norm_weight(param, norm_w)
+    assert moved.dtype == torch.float32 and on_cpu.dtype == torch.float16
     with torch.inference_mode():  # inference tensors have no version counter: no caching
         w_inf, nw_inf = w.clone(), norm_w.clone()
         assert torch.equal(fold_norm_weight(w_inf, nw_inf), (w.float() * norm_w.float()).half())
