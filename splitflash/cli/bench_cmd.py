@@ -8,7 +8,14 @@ from pathlib import Path
 
 BENCHES = {
     "kernels": "bench.kernels",
+    "kernel_sweep": "bench.kernel_sweep",
+    "linear_sweep": "bench.linear_sweep",
+    "verify_step": "bench.verify_step",
     "drafter": "bench.drafter",
+    "drafter_step": "bench.drafter_step",
+    "draft_graphs": "bench.draft_graphs",
+    "host_step": "bench.host_step",
+    "textstream": "bench.textstream",
     "ngram": "bench.ngram_cpu",
     "transport": "bench.transport",
 }
