@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from splitflash.kernels.fused_norm import rms_norm_ref
+from splitflash.kernels.online_softmax import dot_nt
 from splitflash.kernels.pdl import gdc_sync, pdl_launch
 from splitflash.kernels.silu_mul import silu_mul_ref
 from splitflash.kernels.tuning import interpreter_active, next_pow2
@@ -87,16 +88,6 @@ def linear_residual_ref(
 
 
 # --- kernels ------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dot_t(a, w, DOT_IEEE: tl.constexpr):
-    """a [M, K] @ w[N, K].T in fp32; fp32 operands (DOT_IEEE) without tf32 rounding."""
-    if DOT_IEEE:  # noqa: SIM108 - constexpr branch, one side is compiled
-        acc = tl.dot(a, tl.trans(w), input_precision="ieee")
-    else:
-        acc = tl.dot(a, tl.trans(w))
-    return acc
 
 
 @triton.jit
@@ -155,10 +146,10 @@ def _norm_linear_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         a = _load_rows(x_ptr, rows, row_ok, stride_x, k, K, UPCAST)  # [BLOCK_M, BLOCK_K]
         w = _load_rows(w_ptr, wrows, w_ok, stride_w, k, K, UPCAST)  # [BLOCK_N, BLOCK_K]
-        acc += _dot_t(a, w, DOT_IEEE)
+        acc += dot_nt(a, w, DOT_IEEE)
         if SWIGLU:
             w = _load_rows(w_up_ptr, wrows, w_ok, stride_w, k, K, UPCAST)
-            acc_up += _dot_t(a, w, DOT_IEEE)
+            acc_up += dot_nt(a, w, DOT_IEEE)
     oty = out_ptr.dtype.element_ty
     # RMSNorm is a per-row scale: x @ (W * nw).T times the row's rsqrt(mean(x^2) + eps).
     y = (acc * inv).to(oty).to(tl.float32)  # the projection, rounded as F.linear's output
@@ -195,7 +186,7 @@ def _linear_residual_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         a = _load_rows(a_ptr, rows, row_ok, stride_a, k, K, UPCAST)  # [BLOCK_M, BLOCK_K]
         w = _load_rows(w_ptr, wrows, w_ok, stride_w, k, K, UPCAST)  # [BLOCK_N, BLOCK_K]
-        acc += _dot_t(a, w, DOT_IEEE)
+        acc += dot_nt(a, w, DOT_IEEE)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < N)[None, :]
     r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask,

@@ -15,12 +15,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _scores(q, k, DOT_IEEE: tl.constexpr):
-    """Raw q k^T [M, N] fp32, not yet scaled (the scale rides on the exp2's FMA)."""
+def dot_nt(a, b, DOT_IEEE: tl.constexpr):
+    """a [M, K] @ b[N, K].T -> [M, N] fp32; DOT_IEEE: fp32 operands without tf32 rounding.
+    Attention's raw scores q k^T (not yet scaled: the scale rides on the exp2's FMA), and the
+    fused linears' products x W^T."""
     if DOT_IEEE:  # noqa: SIM108 - constexpr branch, one side is compiled
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.dot(a, tl.trans(b), input_precision="ieee")
     else:
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(a, tl.trans(b))
     return s
 
 
@@ -45,11 +47,11 @@ def _fold(s, v, m_i, l_i, acc, qk_scale, DOT_IEEE: tl.constexpr):
 @triton.jit
 def attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE: tl.constexpr):
     """Fold one K/V tile; visible: bool broadcastable to [M, N]."""
-    s = tl.where(visible, _scores(q, k, DOT_IEEE), float("-inf"))  # [M, N]
+    s = tl.where(visible, dot_nt(q, k, DOT_IEEE), float("-inf"))  # [M, N]
     return _fold(s, v, m_i, l_i, acc, qk_scale, DOT_IEEE)
 
 
 @triton.jit
 def attend_tile_full(q, k, v, m_i, l_i, acc, qk_scale, DOT_IEEE: tl.constexpr):
     """Fold one K/V tile whose keys are all visible to all rows (full prefix tiles)."""
-    return _fold(_scores(q, k, DOT_IEEE), v, m_i, l_i, acc, qk_scale, DOT_IEEE)
+    return _fold(dot_nt(q, k, DOT_IEEE), v, m_i, l_i, acc, qk_scale, DOT_IEEE)
