@@ -14,7 +14,7 @@ step() {  # name timeout args...
     --json-out "$OUT/verify_step_$name.json" 2>&1 | grep -v "^    .*us .*x  "
 }
 step prefetch_185k 240 --contexts 185000 --reps 30 --prefetch-keys 0 256 512 1024 2048
-step prefetch_32k 90 --contexts 32768 --reps 30 --prefetch-keys 0 512
+step prefetch_32k 120 --contexts 512 32768 --reps 30 --prefetch-keys 0 512
 echo "== gpu tests"; date +%T
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_kv_prefetch.py \
   tests/unit/test_verify_graphs.py tests/unit/test_kernels_fused_linear.py 2>&1 | tail -4

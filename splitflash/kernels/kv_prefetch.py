@@ -30,9 +30,9 @@ import triton.language as tl
 
 from splitflash.kernels.tuning import SPLIT_ALIGN, next_pow2, plan_launch
 
-# Keys per split to prefetch by default, and the shortest context worth it. Chosen on the
+# Keys per split to prefetch by default, and the shortest context worth it. To be chosen on the
 # H200 (bench/RESULTS.md, `python -m bench.verify_step --prefetch-keys ...`).
-DEFAULT_PREFETCH_KEYS = 512
+DEFAULT_PREFETCH_KEYS = 0  # off until measured on the GPU (bench/gpu_prefetch.sh)
 MIN_PREFETCH_CONTEXT = 16384
 
 
