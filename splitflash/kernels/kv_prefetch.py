@@ -15,9 +15,9 @@ the data, so it takes a few microseconds of a few SMs whatever the amount. It on
 prefix keys (written by earlier steps), never the keys of the block this step writes, so
 it can run concurrently with anything in the step.
 
-Reference: `kv_prefetch_lines_ref` (the same lines as element offsets). A prefetch has no
-result to compare, so the kernel has a TRACE mode that writes the offsets it would prefetch
-instead: the interpreter tests check them against the reference.
+A prefetch has no result to compare, so the kernel has a TRACE mode that writes the element
+offsets it would prefetch instead; tests/unit/test_kv_prefetch.py checks them against the
+tokens' offsets looked up through the page table with torch indexing (the reference).
 """
 
 from __future__ import annotations

@@ -75,6 +75,11 @@ def causal_attention_torch(
     return out
 
 
+def _kv_bound(meta: AttentionMeta) -> int:
+    """The KV length the attention kernel plans its splits for (see AttentionMeta.kv_bound)."""
+    return meta.kv_bound if meta.kv_bound is not None else max(meta.kv_lens_list)
+
+
 class PagedAttention:
     """The attention backend: Triton kernels on CUDA, the torch references on CPU."""
 
@@ -101,7 +106,7 @@ class PagedAttention:
         if meta.anc_bits is None and max(meta.q_lens) > MAX_TREE_Q:
             return causal_attention_torch(q, k_pages, v_pages, meta, scale)
         bits = meta.anc_bits if meta.anc_bits is not None else causal_bits(meta.q_lens, q.device)
-        kv_bound = meta.kv_bound if meta.kv_bound is not None else max(meta.kv_lens_list)
+        kv_bound = _kv_bound(meta)
         return self._block_attention(
             q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q, bits, scale,
             max_kv_len=kv_bound, max_q_len=max(meta.q_lens),
@@ -117,7 +122,7 @@ class PagedAttention:
             return
         from splitflash.kernels.kv_prefetch import MIN_PREFETCH_CONTEXT, kv_prefetch_triton
 
-        kv_bound = meta.kv_bound if meta.kv_bound is not None else max(meta.kv_lens_list)
+        kv_bound = _kv_bound(meta)
         if kv_bound < MIN_PREFETCH_CONTEXT:
             return
         # The side stream starts where the current one is now (the previous attention done),
