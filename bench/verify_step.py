@@ -146,16 +146,10 @@ def measure(
     reps: int,
     page: int = 16,
     profile: bool = False,
-    prefetch_keys: int | None = None,
 ):
-    """One row: eager and graphed step times at `context` keys per request. prefetch_keys:
-    SPLITFLASH_KV_PREFETCH for this row (None: as set)."""
-    import os
-
+    """One row: eager and graphed step times at `context` keys per request."""
     import torch
 
-    if prefetch_keys is not None:
-        os.environ["SPLITFLASH_KV_PREFETCH"] = str(prefetch_keys)
     engine = _engine(context, batch, page)
     cfg, cache = engine.model.cfg, engine.cache
     spans = []
@@ -188,8 +182,7 @@ def measure(
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_bytes = batch * context * cfg.kv_bytes_per_token(2)
     floor_ms = (weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e3
-    row = dict(context=context, batch=batch, q_len=q_len,
-               prefetch_keys=engine.model.backend.prefetch_keys, eager_ms=eager_ms,
+    row = dict(context=context, batch=batch, q_len=q_len, eager_ms=eager_ms,
                graph_ms=graph_ms, batch_ms=batch_ms,
                replay_ms=replay_ms, step_ms=step_ms, eager_step_ms=eager_step_ms,
                weight_mb=weight_bytes / 1e6, kv_mb=kv_bytes / 1e6,
@@ -209,13 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--json-out", default=None)
     p.add_argument("--profile", action="store_true", help="per-kernel GPU time of a step")
-    p.add_argument(
-        "--prefetch-keys",
-        type=int,
-        nargs="+",
-        default=[None],
-        help="rows for each SPLITFLASH_KV_PREFETCH value (keys per split, 0 = off)",
-    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.verify_step needs a CUDA GPU")
@@ -225,27 +211,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for ctx in args.contexts:
         for b in args.batches:
-            for q, keys in ((q, k) for q in args.q_lens for k in args.prefetch_keys):
-                r = measure(ctx, b, q, copy, args.reps, profile=args.profile, prefetch_keys=keys)
+            for q in args.q_lens:
+                r = measure(ctx, b, q, copy, args.reps, profile=args.profile)
                 torch.cuda.empty_cache()  # the last engine's KV pool is garbage now
                 rows.append(r)
-                print(f"[{time.perf_counter() - t0:6.1f}s] ctx {ctx} B {b} q {q} prefetch "
-                      f"{r['prefetch_keys']}: eager "
+                print(f"[{time.perf_counter() - t0:6.1f}s] ctx {ctx} B {b} q {q}: eager "
                       f"{r['eager_ms']:.3f} ms, graph {r['graph_ms']:.3f} ms (replay "
                       f"{r['replay_ms']:.3f}), floor {r['floor_ms']:.3f} ms -> "
                       f"{r['graph_over_floor']:.2f}x floor; engine.verify {r['step_ms']:.3f} ms "
                       f"(eager {r['eager_step_ms']:.3f}, _batch {r['batch_ms']:.3f})",
                       flush=True)  # fmt: skip
     print(
-        " context  B   q  prefetch   eager ms   graph ms  replay ms   floor ms  graph/floor"
-        "  verify() ms  eager verify() ms"
+        " context  B   q   eager ms   graph ms  replay ms   floor ms  graph/floor"
+        "  verify() ms  eager verify() ms  _batch ms"
     )
     for r in rows:
-        print(f"{r['context']:>8} {r['batch']:>2} {r['q_len']:>3} {r['prefetch_keys']:>9} "
-              f"{r['eager_ms']:>10.3f} "
+        print(f"{r['context']:>8} {r['batch']:>2} {r['q_len']:>3} {r['eager_ms']:>10.3f} "
               f"{r['graph_ms']:>10.3f} {r['replay_ms']:>10.3f} {r['floor_ms']:>10.3f} "
               f"{r['graph_over_floor']:>11.2f} {r['step_ms']:>12.3f} "
-              f"{r['eager_step_ms']:>18.3f}")  # fmt: skip
+              f"{r['eager_step_ms']:>18.3f} {r['batch_ms']:>10.3f}")  # fmt: skip
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"copy_gbps": copy, "rows": rows}, f, indent=2)

@@ -75,11 +75,6 @@ def causal_attention_torch(
     return out
 
 
-def _kv_bound(meta: AttentionMeta) -> int:
-    """The KV length the attention kernel plans its splits for (see AttentionMeta.kv_bound)."""
-    return meta.kv_bound if meta.kv_bound is not None else max(meta.kv_lens_list)
-
-
 class PagedAttention:
     """The attention backend: Triton kernels on CUDA, the torch references on CPU."""
 
@@ -88,58 +83,14 @@ class PagedAttention:
 
         self._block_attention = paged_attention
         self.name = "triton" if device.type == "cuda" else "torch-reference"
-        # L2 prefetch of the next layer's first keys per split on a side stream (CUDA only,
-        # kernels/kv_prefetch.py): keys per split, 0 = off.
-        self.prefetch_keys = 0
-        self._side: torch.cuda.Stream | None = None
-        self._side_pending = False
-        if device.type == "cuda":
-            from splitflash.kernels.kv_prefetch import prefetch_keys_setting
-
-            self.prefetch_keys = prefetch_keys_setting()
-            self._side = torch.cuda.Stream(device) if self.prefetch_keys else None
-        prefetch = f"{self.prefetch_keys} keys per split" if self.prefetch_keys else "off"
-        log.info("attention backend: %s (device %s), KV L2 prefetch: %s", self.name, device,
-                 prefetch)  # fmt: skip
+        log.info("attention backend: %s (device %s)", self.name, device)
 
     def __call__(self, q, k_pages, v_pages, meta: AttentionMeta, scale: float) -> torch.Tensor:
         if meta.anc_bits is None and max(meta.q_lens) > MAX_TREE_Q:
             return causal_attention_torch(q, k_pages, v_pages, meta, scale)
         bits = meta.anc_bits if meta.anc_bits is not None else causal_bits(meta.q_lens, q.device)
-        kv_bound = _kv_bound(meta)
+        kv_bound = meta.kv_bound if meta.kv_bound is not None else max(meta.kv_lens_list)
         return self._block_attention(
             q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q, bits, scale,
             max_kv_len=kv_bound, max_q_len=max(meta.q_lens),
         )  # fmt: skip
-
-    def prefetch(self, k_pages, v_pages, meta: AttentionMeta, group: int) -> None:
-        """Start pulling into L2 the keys the next attention over k_pages / v_pages reads
-        first, on a side stream: it overlaps the short kernels queued before that attention
-        on the current stream (group: q heads per KV head). A no-op off CUDA, when off, for
-        causal prefill (no split plan to follow) and below MIN_PREFETCH_CONTEXT keys. Call
-        join() before the step ends."""
-        if self._side is None or meta.anc_bits is None and max(meta.q_lens) > MAX_TREE_Q:
-            return
-        from splitflash.kernels.kv_prefetch import MIN_PREFETCH_CONTEXT, kv_prefetch_triton
-
-        kv_bound = _kv_bound(meta)
-        if kv_bound < MIN_PREFETCH_CONTEXT:
-            return
-        # The side stream starts where the current one is now (the previous attention done),
-        # and never blocks it: nothing on the current stream waits for a prefetch.
-        self._side.wait_stream(torch.cuda.current_stream(self._side.device))
-        with torch.cuda.stream(self._side):
-            kv_prefetch_triton(
-                k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q,
-                group=group, max_kv_len=kv_bound,
-                max_q_len=max(meta.q_lens), keys=self.prefetch_keys,
-            )  # fmt: skip
-        self._side_pending = True
-
-    def join(self) -> None:
-        """Make the current stream wait for the prefetches (a CUDA graph capture must end
-        with every forked stream joined; eagerly, it keeps the step's meta tensors alive
-        until the side stream is done with them)."""
-        if self._side_pending:
-            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
-            self._side_pending = False

@@ -176,23 +176,16 @@ class TargetModel(nn.Module):
         # RMSNorm rides in the linear after it, SwiGLU in gate_up's, each residual add in the
         # epilogue of the projection feeding it (kernels/fused_linear.py). Same op sequence,
         # so the same roundings, as x = x + f(norm(x)); on CPU exactly those torch ops.
-        # On CUDA at long context, layer i+1's first keys per KV split are pulled into L2 on
-        # a side stream while layer i's short kernels run (kernels/kv_prefetch.py).
-        group = self.cfg.num_heads // self.cfg.num_kv_heads  # the same under tensor parallelism
-        self.backend.prefetch(cache.k[0], cache.v[0], batch.meta, group)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv = norm_linear(x, layer.input_layernorm.weight, eps, attn.qkv_proj.weight)
             o = attn.attend(qkv, cos, sin, i, cache, batch.slots, batch.meta, self.backend)
-            if i + 1 < len(self.layers):
-                self.backend.prefetch(cache.k[i + 1], cache.v[i + 1], batch.meta, group)
             x = _add_projection(attn.o_proj, o, x)
             act = norm_linear(x, layer.post_attention_layernorm.weight, eps,
                               mlp.gate_up_proj.weight, swiglu_hidden=mlp.hidden)  # fmt: skip
             x = _add_projection(mlp.down_proj, act, x)
             if i in hidden_layer_ids:
                 captured[i] = x
-        self.backend.join()
         rows = x if logits_rows is None else x[logits_rows]
         logits = self.lm_head(self.norm(rows)).float()
         hidden = torch.cat([captured[i] for i in hidden_layer_ids], -1) if captured else None
