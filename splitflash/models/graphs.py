@@ -25,11 +25,13 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitflash.kernels.tuning import kv_bucket
-from splitflash.models.attention import MAX_TREE_Q, AttentionMeta, causal_bits
+from splitflash.models.attention import MAX_TREE_Q
 from splitflash.models.kv_cache import PagedKVCache
+from splitflash.models.step_inputs import StepHost, buffer_words, pack, views
 from splitflash.models.target import ForwardBatch, ForwardOutput, TargetModel
 
 log = logging.getLogger("splitflash.graphs")
@@ -40,7 +42,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: capture=False, run the static step eagerly
-    batch: ForwardBatch  # static inputs: [N_pad] token_ids / positions / slots, meta tensors
+    buf: torch.Tensor  # the static inputs packed (models/step_inputs.py): one copy loads a step
+    batch: ForwardBatch  # views of buf: [N_pad] token_ids / positions / slots, meta tensors
     out: ForwardOutput  # static outputs: logits [N_pad, V], hidden [N_pad, F] or None
 
 
@@ -65,15 +68,11 @@ class VerifyGraphs:
             )
         self.model, self.cache = model, cache
         self.device = model.embed_tokens.weight.device
-        # A padding request, built once: positions 0..63 [64], their slots [64] on the scratch
-        # pages, and the page-table row of those pages [pad_pages] int32.
-        pages = torch.tensor(cache.scratch_page_ids[:pad_pages], device=self.device)
-        self._pad_positions = torch.arange(MAX_TREE_Q, device=self.device)
-        self._pad_slots = (
-            pages[self._pad_positions // cache.page_size] * cache.page_size
-            + self._pad_positions % cache.page_size
-        )
-        self._pad_pages = pages.to(torch.int32)
+        # A padding request, built once: the slots of positions 0..63 on the scratch pages
+        # [64] int64 and the page-table row of those pages [pad_pages] int32.
+        self._pad_pages = np.asarray(cache.scratch_page_ids[:pad_pages], dtype=np.int32)
+        pos, size = np.arange(MAX_TREE_Q), cache.page_size
+        self._pad_slots = self._pad_pages[pos // size].astype(np.int64) * size + pos % size
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
@@ -94,83 +93,56 @@ class VerifyGraphs:
         return b_pad, q, kv_bucket(max(kv_lens))
 
     @torch.inference_mode()
-    def run(
-        self, batch: ForwardBatch, hidden_layer_ids: tuple[int, ...] = ()
-    ) -> ForwardOutput | None:
-        """The forward of `batch` from a graph, or None if no graph fits it (run eagerly)."""
-        meta = batch.meta
-        shape = None if self.failed else self.key_for(meta.q_lens, meta.kv_lens_list)
+    def run(self, step: StepHost, hidden_layer_ids: tuple[int, ...] = ()) -> ForwardOutput | None:
+        """The forward of `step` from a graph, or None if no graph fits it (run eagerly)."""
+        shape = None if self.failed else self.key_for(step.q_lens, step.kv_lens)
         if shape is None:
             return None
         key = (*shape, tuple(hidden_layer_ids))
         entry = self._graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(key, batch)
+                entry = self._capture(key, step)
             except Exception:  # a step must never fail because a graph could not be made
                 log.exception("CUDA graph capture failed: verify steps run eagerly from now on")
                 self.failed = True
                 return None
         else:
             self._graphs.move_to_end(key)
-            self._load(entry.batch, batch, shape)
+            self._load(entry.buf, step, shape)
         if entry.graph is None:
             entry.out = self.model(entry.batch, self.cache, None, key[3])
         else:
             entry.graph.replay()
         self.replays += 1
-        n = len(batch.token_ids)
+        n = len(step.token_ids)
         hidden = None if entry.out.hidden is None else entry.out.hidden[:n].clone()
         return ForwardOutput(logits=entry.out.logits[:n].clone(), hidden=hidden)
 
     # --- static buffers --------------------------------------------------------------
-    def _static_batch(self, key: tuple[int, int, int]) -> ForwardBatch:
-        b_pad, q, bucket = key
-        dev, n_pad = self.device, b_pad * q
-        width = self.cache.pages_for(bucket)
-        meta = AttentionMeta(
-            cu_q=torch.arange(0, n_pad + 1, q, dtype=torch.int32, device=dev),  # [B_pad+1]
-            kv_lens=torch.full((b_pad,), q, dtype=torch.int32, device=dev),  # [B_pad]
-            page_table=torch.zeros((b_pad, width), dtype=torch.int32, device=dev),
-            anc_bits=causal_bits([q] * b_pad, dev),  # [N_pad] chains, fixed for the graph
-            q_lens=[q] * b_pad,
-            kv_lens_list=[bucket] * b_pad,
-            kv_bound=bucket,
-        )
-        return ForwardBatch(
-            token_ids=torch.zeros(n_pad, dtype=torch.long, device=dev),
-            positions=torch.zeros(n_pad, dtype=torch.long, device=dev),
-            slots=torch.zeros(n_pad, dtype=torch.long, device=dev),
-            meta=meta,
-        )
+    def _load(self, buf: torch.Tensor, step: StepHost, key: tuple[int, int, int]) -> None:
+        """Copy a step into a graph's static buffer, in one copy; padding requests are
+        Q-token dummies on the scratch pages (StepHost.padded)."""
+        b_pad, _, bucket = key
+        padded = step.padded(b_pad, self._pad_slots, self._pad_pages)
+        host = pack(padded, self.cache.pages_for(bucket), pin=self.device.type == "cuda")
+        buf.copy_(host, non_blocking=True)
 
-    def _load(self, static: ForwardBatch, batch: ForwardBatch, key: tuple[int, int, int]):
-        """Copy a step into the static buffers; padding rows point at the scratch pages."""
-        b_pad, q, _ = key
-        b, n = len(batch.meta.q_lens), len(batch.token_ids)
-        sm, m = static.meta, batch.meta
-        static.token_ids[:n].copy_(batch.token_ids)
-        static.positions[:n].copy_(batch.positions)
-        static.slots[:n].copy_(batch.slots)
-        sm.kv_lens[:b].copy_(m.kv_lens)
-        sm.page_table[:b].zero_()
-        sm.page_table[:b, : m.page_table.shape[1]].copy_(m.page_table)
-        if b < b_pad:  # dummies: Q tokens at positions 0..Q-1 on the scratch pages
-            static.token_ids[n:].zero_()
-            static.positions[n:].copy_(self._pad_positions[:q].repeat(b_pad - b))
-            static.slots[n:].copy_(self._pad_slots[:q].repeat(b_pad - b))
-            sm.kv_lens[b:].fill_(q)
-            sm.page_table[b:, : len(self._pad_pages)].copy_(self._pad_pages)
-
-    def _capture(self, key: tuple, batch: ForwardBatch) -> _Captured:
+    def _capture(self, key: tuple, step: StepHost) -> _Captured:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
         shape, layer_ids = key[:3], key[3]
-        static = self._static_batch(shape)
-        self._load(static, batch, shape)
+        b_pad, q, bucket = shape
+        width = self.cache.pages_for(bucket)
+        buf = torch.zeros(buffer_words(b_pad * q, b_pad, width), dtype=torch.int32,
+                          device=self.device)  # fmt: skip
+        # The split plan is frozen at capture: planned for the bucket, it covers every
+        # length replayed (kv_bound).
+        static = views(buf, [q] * b_pad, [bucket] * b_pad, width, kv_bound=bucket)
+        self._load(buf, step, shape)
         if not self.capture:
             self.captures += 1
-            entry = self._graphs[key] = _Captured(None, static, ForwardOutput(None, None))
+            entry = self._graphs[key] = _Captured(None, buf, static, ForwardOutput(None, None))
             return entry
         # Warm-up outside the capture: Triton compiles and autotunes here, on a side stream
         # as graph capture requires. It writes the same K/V the replay will (idempotent).
@@ -183,7 +155,7 @@ class VerifyGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self.model(static, self.cache, None, layer_ids)
-        entry = _Captured(graph, static, out)
+        entry = _Captured(graph, buf, static, out)
         self._graphs[key] = entry
         self.captures += 1
         log.info("captured verify graph B_pad=%d Q=%d kv_bucket=%d (%d held)", *shape,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from splitflash.models.attention import MAX_TREE_Q, AttentionMeta, causal_bits
 from splitflash.models.graphs import VerifyGraphs
 from splitflash.models.kv_cache import PagedKVCache
+from splitflash.models.step_inputs import StepHost, upload
 from splitflash.models.target import ForwardBatch, TargetModel
 from splitflash.services.verify.acceptance import (
     StepOutcome,
@@ -81,34 +82,28 @@ class TargetEngine:
         self.cache.free(request_id)
         return self.seqs.pop(request_id, None) is not None
 
-    def _batch(self, spans: list[tuple[str, list[int], int]]) -> ForwardBatch:
-        """spans: (request_id, new tokens, first position); KV already reserved."""
-        ids, positions, slots = [], [], []
-        q_lens, kv_lens = [], []
+    def _step_host(self, spans: list[tuple[str, list[int], int]]) -> StepHost:
+        """spans: (request_id, new tokens, first position); KV already reserved. numpy only:
+        this runs every step, and torch ops on tiny CPU tensors cost microseconds each."""
+        size = self.cache.page_size
+        positions, slots, page_rows, q_lens, kv_lens = [], [], [], [], []
         for seq_id, toks, start in spans:
-            ids.extend(toks)
-            positions.extend(range(start, start + len(toks)))
-            slots.append(self.cache.slots(seq_id, start, start + len(toks)))
+            end = start + len(toks)
+            # The pages holding the kv_len keys: the same row whatever spare pages it has.
+            pages = self.cache.seq(seq_id).page_ids[: self.cache.pages_for(end)].numpy()
+            pos = np.arange(start, end, dtype=np.int64)
+            positions.append(pos)
+            slots.append(pages[pos // size] * np.int64(size) + pos % size)
+            page_rows.append(pages)
             q_lens.append(len(toks))
-            kv_lens.append(start + len(toks))
-        dev = self.device
-        cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-        meta = AttentionMeta(
-            cu_q=cu_q.to(dev),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
-            page_table=self.cache.page_table([s[0] for s in spans], dev),
-            # Causal blocks as ancestor bits, built once per forward: left None, the
-            # attention backend would rebuild and upload them in every layer.
-            anc_bits=causal_bits(q_lens, dev) if max(q_lens) <= MAX_TREE_Q else None,
-            q_lens=q_lens,
-            kv_lens_list=kv_lens,
-        )
-        return ForwardBatch(
-            token_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slots=torch.cat(slots).to(dev),
-            meta=meta,
-        )
+            kv_lens.append(end)
+        token_ids = np.fromiter((t for _, toks, _ in spans for t in toks), np.int64)
+        return StepHost(token_ids, np.concatenate(positions), np.concatenate(slots), q_lens,
+                        kv_lens, page_rows)  # fmt: skip
+
+    def _batch(self, spans: list[tuple[str, list[int], int]]) -> ForwardBatch:
+        """The spans' forward inputs on the device, in one host->device copy."""
+        return upload(self._step_host(spans), self.device)
 
     def _next_token(self, seq: Sequence, logits: torch.Tensor) -> int:
         if seq.sampling.greedy:
@@ -183,11 +178,11 @@ class TargetEngine:
         return [reports[i.request_id] for i in items]
 
     def _verify_spans(self, spans, reports: dict[str, StepReport]) -> None:
-        batch = self._batch([(rid, block, start) for rid, block, start, _ in spans])
-        out = None if self.graphs is None else self.graphs.run(batch, self.feature_layer_ids)
+        step = self._step_host([(rid, block, start) for rid, block, start, _ in spans])
+        out = None if self.graphs is None else self.graphs.run(step, self.feature_layer_ids)
         self.last_forward_mode = "eager" if out is None else "graph"
         if out is None:  # no graph fits this step (or none wanted): eager
-            out = self.model(batch, self.cache, None, self.feature_layer_ids)
+            out = self.model(upload(step, self.device), self.cache, None, self.feature_layer_ids)
         # Every greedy row's argmax in one device->host copy, not one sync per request.
         greedy = any(self.seqs[s[0]].sampling.greedy for s in spans)
         argmax = out.logits.argmax(dim=-1).tolist() if greedy else None  # [N] ids
