@@ -124,32 +124,3 @@ def linear_residual(
 
         return linear_residual_triton(a, weight, residual)
     return residual + F.linear(a, weight)
-
-
-def norm_qkv_rope(
-    x: torch.Tensor,  # [N, K]
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    weight: torch.Tensor,  # [(H + 2 H_KV) Dh, K], rows q | k | v
-    cos: torch.Tensor,  # [N, 1, Dh]
-    sin: torch.Tensor,  # [N, 1, Dh]
-    k_pages: torch.Tensor,  # [P, S, H_KV, Dh], written in place
-    v_pages: torch.Tensor,  # [P, S, H_KV, Dh], written in place
-    slots: torch.Tensor,  # [N] flat slots
-    n_heads: int,
-    n_kv_heads: int,
-) -> torch.Tensor:  # rotated q [N, H, Dh]
-    """RMSNorm, the qkv projection, RoPE and the K/V write: one kernel for few rows on CUDA
-    (kernels/qkv_rope.py), else norm_linear and rope_kv_write, each dispatched itself."""
-    fused, reason = _fused_linear_ok(x, weight)
-    _announce("norm_qkv_rope", "triton fused" if fused else "norm_linear + rope_kv", reason)
-    if fused:
-        from splitflash.kernels.qkv_rope import norm_qkv_rope_triton
-
-        return norm_qkv_rope_triton(x, norm_weight, eps, weight, cos, sin, k_pages, v_pages,
-                                    slots, n_heads, n_kv_heads)  # fmt: skip
-    from splitflash.kernels.qkv_rope import split_heads
-
-    qkv = norm_linear(x, norm_weight, eps, weight)
-    q, k, v = split_heads(qkv, n_heads, n_kv_heads)
-    return rope_kv_write(q, k, v, cos, sin, k_pages, v_pages, slots)

@@ -14,7 +14,6 @@ from torch import nn
 from splitflash.kernels.fused_dispatch import (
     linear_residual,
     norm_linear,
-    norm_qkv_rope,
     rope_kv_write,
     silu_mul,
 )
@@ -84,20 +83,6 @@ class Attention(nn.Module):
         q = rope_kv_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], slots)
         o = backend(q, cache.k[layer], cache.v[layer], meta, self.cfg.head_dim**-0.5)
         return o.reshape(n, -1)
-
-    def attend_normed(self, x, norm_weight, eps, cos, sin, layer: int, cache: PagedKVCache,
-                      slots, meta, backend):  # fmt: skip
-        """attend(qkv_proj(rmsnorm(x) * norm_weight)): x [N, D] -> [N, q_dim]. Without a
-        per-head norm, RMSNorm, qkv, RoPE and the K/V write are one kernel on CUDA
-        (kernels/qkv_rope.py); on CPU the same torch ops as norm_linear + attend."""
-        if self.cfg.qk_norm:  # q_norm / k_norm sit between the projection and RoPE
-            qkv = norm_linear(x, norm_weight, eps, self.qkv_proj.weight)
-            return self.attend(qkv, cos, sin, layer, cache, slots, meta, backend)
-        k_pages, v_pages = cache.k[layer], cache.v[layer]
-        q = norm_qkv_rope(x, norm_weight, eps, self.qkv_proj.weight, cos, sin, k_pages, v_pages,
-                          slots, self.cfg.num_heads, self.cfg.num_kv_heads)  # fmt: skip
-        o = backend(q, k_pages, v_pages, meta, self.cfg.head_dim**-0.5)
-        return o.reshape(x.shape[0], -1)
 
 
 class MLP(nn.Module):
@@ -188,14 +173,13 @@ class TargetModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         eps = self.cfg.rms_norm_eps
         # Four kernels per layer besides attention on CUDA for a verify block (few rows): each
-        # RMSNorm rides in the linear after it, RoPE and the K/V write in qkv's
-        # (kernels/qkv_rope.py), SwiGLU in gate_up's, each residual add in the epilogue of
-        # the projection feeding it (kernels/fused_linear.py). Same op sequence, so the same
-        # roundings, as x = x + f(norm(x)); on CPU exactly those torch ops.
+        # RMSNorm rides in the linear after it, SwiGLU in gate_up's, each residual add in the
+        # epilogue of the projection feeding it (kernels/fused_linear.py). Same op sequence,
+        # so the same roundings, as x = x + f(norm(x)); on CPU exactly those torch ops.
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            o = attn.attend_normed(x, layer.input_layernorm.weight, eps, cos, sin, i, cache,
-                                   batch.slots, batch.meta, self.backend)  # fmt: skip
+            qkv = norm_linear(x, layer.input_layernorm.weight, eps, attn.qkv_proj.weight)
+            o = attn.attend(qkv, cos, sin, i, cache, batch.slots, batch.meta, self.backend)
             x = _add_projection(attn.o_proj, o, x)
             act = norm_linear(x, layer.post_attention_layernorm.weight, eps,
                               mlp.gate_up_proj.weight, swiglu_hidden=mlp.hidden)  # fmt: skip
