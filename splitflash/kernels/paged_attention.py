@@ -21,12 +21,7 @@ import triton.language as tl
 
 from splitflash.kernels.online_softmax import attend_tile, attend_tile_full
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, check_paged_inputs
-from splitflash.kernels.split_combine import (
-    combine_if_last,
-    combine_splits,
-    fused_combine_setting,
-    tile_counters,
-)
+from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
     SPLIT_ALIGN,
     autotune_prune,
@@ -40,11 +35,6 @@ from splitflash.kernels.tuning import (
 )
 
 _LOG2E = 1.4426950408889634
-# Largest partials (splits x a tile's query rows x D x fp32) the tile's last program combines
-# itself instead of a combine kernel: one program reads them all from L2, against a launch and
-# a kernel boundary (~1.5-3 us per combine kernel on the H200). The 185k verify step of the
-# default model (88 splits x 48 rows x 64 x 4 B = 1.1 MB) is past it and keeps the kernel.
-FUSED_COMBINE_MAX_BYTES = 128 * 1024
 
 
 @triton.jit
@@ -115,10 +105,9 @@ def _paged_attn_kernel(
     kv_lens_ptr,  # [B]
     cu_q_ptr,  # [B+1]
     anc_ptr,  # [N] int64
-    out_ptr,  # [N, H, D] (written when DIRECT_OUT: a single split, or FUSED_COMBINE)
+    out_ptr,  # [N, H, D] (written when DIRECT_OUT: a single split)
     part_out_ptr,  # [N, H, num_splits, D] fp32
     part_lse_ptr,  # [N, H, num_splits] fp32
-    counter_ptr,  # [B * H_KV * m_tiles] int32 zeros (FUSED_COMBINE)
     qk_scale,  # scale * log2(e): softmax in base 2
     stride_qn, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -127,8 +116,8 @@ def _paged_attn_kernel(
     KV_BUCKET, Q_BUCKET, CC,  # autotune keys only
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, FUSED_COMBINE: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_IEEE: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0) // m_tiles
     m_tile = tl.program_id(0) % m_tiles
@@ -216,18 +205,12 @@ def _paged_attn_kernel(
         tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], o, mask=o_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        if FUSED_COMBINE:  # the tile's last split program combines (split_combine.py)
-            tile = (b * tl.num_programs(2) + kv_head) * m_tiles + m_tile
-            row_head = (q0 + qi) * H + head  # [BLOCK_M]
-            combine_if_last(counter_ptr + tile, part_out_ptr, part_lse_ptr, out_ptr, row_head,
-                            row_ok, num_splits, D, BLOCK_M, BLOCK_D)  # fmt: skip
 
 
 @lru_cache(maxsize=8)
 def _tuned_kernel(set_name: str):
     # CC is in the key as well as in the set choice: one process may drive mixed GPUs.
-    key = ["KV_BUCKET", "Q_BUCKET", "CC", "D", "G", "PAGE", "BLOCK_M", "DIRECT_OUT",
-           "FUSED_COMBINE"]  # fmt: skip
+    key = ["KV_BUCKET", "Q_BUCKET", "CC", "D", "G", "PAGE", "BLOCK_M", "DIRECT_OUT"]
     return autotuned(_paged_attn_kernel, set_name, key, prune=autotune_prune)
 
 
@@ -246,14 +229,11 @@ def paged_attention_triton(
     num_splits: int | None = None,
     waves: float | None = None,
     config: tuple[int, int, int] | None = None,
-    fused_combine: bool | None = None,
 ) -> torch.Tensor:  # [N, H, D]
     """Same contract as paged_attention_ref. max_kv_len / max_q_len are upper bounds the
     caller usually knows (scheduler); passing them avoids a device->host sync. Overrides for
     tests and sweeps: num_splits (split count), waves (programs per SM, see plan_splits),
-    config = (BLOCK_N, num_warps, num_stages) instead of autotuning, fused_combine (combine
-    the splits inside the kernel; None: when the partials are small, see
-    FUSED_COMBINE_MAX_BYTES)."""
+    config = (BLOCK_N, num_warps, num_stages) instead of autotuning."""
     group = check_paged_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits)
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         raise ValueError("k_pages / v_pages must be contiguous in the head dim")
@@ -276,14 +256,6 @@ def paged_attention_triton(
                      config=config, num_splits=num_splits, waves=waves)  # fmt: skip
     n_splits = lp.splits.num_splits
     direct = n_splits == 1
-    if fused_combine is None:
-        rows = min(lp.block_m, max_q_len * group)  # a tile's rows that hold queries
-        fused_combine = fused_combine_setting() and (
-            n_splits * rows * head_dim * 4 <= FUSED_COMBINE_MAX_BYTES
-        )
-    fused = fused_combine and not direct
-    n_tiles = n_req * n_kv_heads * lp.m_tiles
-    counters = tile_counters(q.device, n_tiles) if fused else out  # unused unless fused
     if direct:
         part_out = part_lse = out  # unused by the kernel
     else:
@@ -294,7 +266,7 @@ def paged_attention_triton(
     cap = lp.capability
     args = (
         q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, out, part_out, part_lse,
-        counters, scale * _LOG2E,
+        scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
@@ -303,8 +275,7 @@ def paged_attention_triton(
     )  # fmt: skip
     meta = dict(
         H=n_heads, G=group, D=head_dim, PAGE=page_size, BLOCK_M=lp.block_m,
-        BLOCK_D=max(16, next_pow2(head_dim)), DIRECT_OUT=direct, FUSED_COMBINE=fused,
-        UPCAST=upcast,
+        BLOCK_D=max(16, next_pow2(head_dim)), DIRECT_OUT=direct, UPCAST=upcast,
         DOT_IEEE=upcast, SPLIT_ALIGN=SPLIT_ALIGN,
     )  # fmt: skip
     # Row tile fastest (see module docstring): programs sharing a key range run together.
@@ -315,6 +286,6 @@ def paged_attention_triton(
                                  num_stages=stages)  # fmt: skip
     else:
         _tuned_kernel(config_set_for(cap))[grid](*args, **meta)
-    if not direct and not fused:
+    if not direct:
         combine_splits(part_out, part_lse, out)
     return out

@@ -10,8 +10,6 @@ Kernel tests run in the interpreter (TRITON_INTERPRET=1) or on CUDA, like test_k
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -118,46 +116,3 @@ def test_default_waves_buckets():
     assert default_waves(1) is None  # legacy rule for decode
     assert default_waves(16) == default_waves(2)
     assert default_waves(64) is not None and default_waves(64) == default_waves(100)
-
-
-# (kv_lens, q_lens, H, H_KV, D, page, splits): batches whose splits get partials, one of
-# them with splits past a short request's end and a row tile with no queries (q 1 vs 16).
-COMBINE_CASES = [([300, 13], [16, 1], 9, 3, 64, 16, 3), ([4097], [7], 6, 2, 16, 16, 5),
-                 ([600, 16], [1, 16], 4, 1, 16, 16, 4)]  # fmt: skip
-
-
-@needs_triton
-@pytest.mark.parametrize("fused", [True, False], ids=["in-kernel", "combine-kernel"])
-@pytest.mark.parametrize("kv_lens,q_lens,heads,kv_heads,dim,page,splits", COMBINE_CASES)
-def test_both_combine_paths_match_oracle_and_leave_counters_zero(
-    kv_lens, q_lens, heads, kv_heads, dim, page, splits, fused
-):
-    from splitflash.kernels.paged_attention import paged_attention_triton
-    from splitflash.kernels.split_combine import tile_counters
-
-    case = make_case(kv_lens, q_lens, heads, kv_heads, dim, page, F32, seed=splits)
-    for _ in range(2):  # the second launch starts from the counters the first one left
-        check_against_oracle(case, F32, num_splits=splits, fused_combine=fused)
-    assert not tile_counters(case["q"].device, 1).any()  # reset for the next launch / replay
-    one = paged_attention_triton(**case, num_splits=splits, fused_combine=fused)
-    other = paged_attention_triton(**case, num_splits=splits, fused_combine=not fused)
-    torch.testing.assert_close(one, other, rtol=1e-5, atol=1e-6)
-
-
-def test_in_kernel_combine_only_for_small_partials(monkeypatch):
-    pa = importlib.import_module("splitflash.kernels.paged_attention")
-    seen = []
-    monkeypatch.setattr(pa, "combine_splits", lambda *a: seen.append("kernel"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    small = make_case([1024], [16], 4, 1, 16, 16, F32)  # 4 splits x 64 rows x 16 x 4 B
-    pa.paged_attention_triton(**small, num_splits=4)
-    assert seen == []
-    pa.paged_attention_triton(**small, num_splits=4, fused_combine=False)
-    assert seen == ["kernel"]
-    monkeypatch.setattr(pa, "FUSED_COMBINE_MAX_BYTES", 4 * 64 * 16 * 4 - 1)
-    pa.paged_attention_triton(**small, num_splits=4)
-    assert seen == ["kernel", "kernel"]
-    monkeypatch.setattr(pa, "FUSED_COMBINE_MAX_BYTES", 1 << 20)
-    monkeypatch.setenv("SPLITFLASH_FUSED_COMBINE", "0")
-    pa.paged_attention_triton(**small, num_splits=4)
-    assert seen == ["kernel"] * 3
