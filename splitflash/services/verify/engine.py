@@ -83,23 +83,30 @@ class TargetEngine:
         return self.seqs.pop(request_id, None) is not None
 
     def _step_host(self, spans: list[tuple[str, list[int], int]]) -> StepHost:
-        """spans: (request_id, new tokens, first position); KV already reserved. numpy only:
-        this runs every step, and torch ops on tiny CPU tensors cost microseconds each."""
+        """spans: (request_id, new tokens, first position); KV already reserved. numpy over
+        the whole batch: this runs every step, and per-request array ops cost microseconds
+        each (bench/host_step --batches)."""
         size = self.cache.page_size
-        positions, slots, page_rows, q_lens, kv_lens = [], [], [], [], []
+        page_rows, firsts, starts, q_lens, kv_lens = [], [], [], [], []
         for seq_id, toks, start in spans:
             end = start + len(toks)
             # The pages holding the kv_len keys: the same row whatever spare pages it has.
-            pages = self.cache.seq(seq_id).page_ids[: self.cache.pages_for(end)].numpy()
-            pos = np.arange(start, end, dtype=np.int64)
-            positions.append(pos)
-            slots.append(pages[pos // size] * np.int64(size) + pos % size)
-            page_rows.append(pages)
+            page_rows.append(self.cache.seq(seq_id).page_ids[: -(-end // size)])
+            firsts.append(start // size)
+            starts.append(start)
             q_lens.append(len(toks))
             kv_lens.append(end)
+        # Each token's slot: its page, looked up in the concatenated tails of the page rows
+        # from the block's first page, times the page size, plus its offset in the page.
+        tails = np.concatenate([row[f:] for row, f in zip(page_rows, firsts, strict=True)])
+        tail_at = np.cumsum([0] + [len(row) - f for row, f in zip(page_rows, firsts, strict=True)])
+        lens = np.array(q_lens)
+        first_token = np.cumsum(lens) - lens  # [B] row of each request's first new token
+        positions = np.arange(sum(q_lens), dtype=np.int64) + np.repeat(starts - first_token, lens)
+        page_idx = positions // size + np.repeat(tail_at[:-1] - np.array(firsts), lens)
+        slots = tails[page_idx].astype(np.int64) * size + positions % size
         token_ids = np.fromiter((t for _, toks, _ in spans for t in toks), np.int64)
-        return StepHost(token_ids, np.concatenate(positions), np.concatenate(slots), q_lens,
-                        kv_lens, page_rows)  # fmt: skip
+        return StepHost(token_ids, positions, slots, q_lens, kv_lens, page_rows)
 
     def _batch(self, spans: list[tuple[str, list[int], int]]) -> ForwardBatch:
         """The spans' forward inputs on the device, in one host->device copy."""
@@ -189,12 +196,11 @@ class TargetEngine:
         lo = 0
         for rid, block, kv_len, max_commit in spans:
             seq = self.seqs[rid]
-            logits = out.logits[lo : lo + len(block)]  # [K+1, V]
             drafts = block[1:]
             if seq.sampling.greedy:
                 outcome = accept_greedy_ids(drafts, argmax[lo : lo + len(block)])
             else:
-                probs = target_probs(logits, seq.sampling)
+                probs = target_probs(out.logits[lo : lo + len(block)], seq.sampling)  # [K+1, V]
                 outcome = accept_chain_sampled(drafts, probs, seq.generator)
             outcome = truncate_outcome(outcome, max_commit, seq.stop_ids)
             finished = outcome.commit_len < outcome.accepted_drafts + 1 or (
