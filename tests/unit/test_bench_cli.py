@@ -21,8 +21,14 @@ def test_every_listed_benchmark_has_a_main(name):
 def test_cli_runs_the_host_step_benchmark():
     out = subprocess.run(
         [sys.executable, "-m", "splitflash", "bench", "host_step", "--",
-         "--contexts", "512", "4096", "--reps", "5"],
+         "--contexts", "512", "4096", "--reps", "5", "--batches", "1", "3"],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout  # fmt: skip
-    rows = [line.split() for line in out.splitlines()[1:]]
+    lines = out.splitlines()
+    rows = [line.split() for line in lines[1:3]]
     assert [r[0] for r in rows] == ["512", "4096"] and all(float(x) > 0 for r in rows for x in r)
+    # verify() rows (context, B, ms, ms per request): 20+ steps each ran without a desync.
+    steps = [line.split() for line in lines[4:]]
+    assert [(r[0], r[1]) for r in steps] == [("512", "1"), ("512", "3"), ("4096", "1"),
+                                             ("4096", "3")]  # fmt: skip
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in steps)
