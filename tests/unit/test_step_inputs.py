@@ -102,3 +102,10 @@ def test_a_row_wider_than_the_table_is_refused():
     with pytest.raises(ValueError, match="row 0 has 5 pages, the width is 4"):
         pack(step, 4, pin=False)
     assert upload(step, torch.device("cpu")).meta.page_table.tolist() == [row.tolist()]
+
+
+def test_a_span_past_its_reserved_kv_is_refused():
+    engine = _engine()
+    _reserve(engine, [("a", [1] * 4, 3)])  # 7 tokens reserved: two pages of 4
+    with pytest.raises(ValueError, match="KV for 9 tokens is not reserved"):
+        engine._step_host([("a", [1] * 6, 3)])

@@ -90,8 +90,12 @@ class TargetEngine:
         page_rows, firsts, starts, q_lens, kv_lens = [], [], [], [], []
         for seq_id, toks, start in spans:
             end = start + len(toks)
+            kv = self.cache.seq(seq_id)
+            if len(kv.pages) * size < end:  # the mirror past len(pages) is uninitialised
+                raise ValueError(f"request {seq_id!r}: KV for {end} tokens is not reserved "
+                                 f"({len(kv.pages)} pages of {size})")  # fmt: skip
             # The pages holding the kv_len keys: the same row whatever spare pages it has.
-            page_rows.append(self.cache.seq(seq_id).page_ids[: -(-end // size)])
+            page_rows.append(kv.page_ids[: -(-end // size)])
             firsts.append(start // size)
             starts.append(start)
             q_lens.append(len(toks))
