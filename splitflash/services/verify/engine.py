@@ -194,9 +194,12 @@ class TargetEngine:
         self.last_forward_mode = "eager" if out is None else "graph"
         if out is None:  # no graph fits this step (or none wanted): eager
             out = self.model(upload(step, self.device), self.cache, None, self.feature_layer_ids)
-        # Every greedy row's argmax in one device->host copy, not one sync per request.
+        # Every greedy row's argmax in one device->host copy, not one sync per request (a
+        # graph computes it inside the replay).
         greedy = any(self.seqs[s[0]].sampling.greedy for s in spans)
-        argmax = out.logits.argmax(dim=-1).tolist() if greedy else None  # [N] ids
+        argmax = None
+        if greedy:
+            argmax = (out.logits.argmax(dim=-1) if out.argmax is None else out.argmax).tolist()
         lo = 0
         for rid, block, kv_len, max_commit in spans:
             seq = self.seqs[rid]
