@@ -4,10 +4,11 @@ A verify step reads seven small int tensors: token ids, positions, KV slots, anc
 cu_q, KV lengths and the page table. Created one by one on the device they cost seven
 synchronous host->device copies: 0.19 ms of host time per step on the H200 (bench/
 verify_step, `_batch`), and a graphed step then spent another ~0.15 ms copying them into
-the graph's static buffers with a dozen small kernels. A graphed 512-token step replays in
-0.79 ms, so that was a third of it. Here they are written with numpy into one pinned int32
-buffer and copied once; the tensors the forward reads are views of the device buffer. A
-CUDA graph's static inputs are views of its own buffer, so loading a step is one copy too.
+the graph's static buffers with a dozen small kernels: 0.34 ms next to a 0.79 ms replay at
+512 tokens. Here they are written with numpy into one pinned int32 buffer and copied once;
+the tensors the forward reads are views of the device buffer. A CUDA graph's static inputs
+are views of its own buffer, so loading a step is one copy too (measured: `verify()` 0.3 ms
+faster per step at 185k and at 512, bench/RESULTS.md).
 
 Buffer layout in int32 words (N new tokens, B requests, W page-table width), the int64
 parts first so each starts 8-byte aligned:
