@@ -109,3 +109,19 @@ def test_a_span_past_its_reserved_kv_is_refused():
     _reserve(engine, [("a", [1] * 4, 3)])  # 7 tokens reserved: two pages of 4
     with pytest.raises(ValueError, match="KV for 9 tokens is not reserved"):
         engine._step_host([("a", [1] * 6, 3)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_pinned_copy_to_the_gpu_equals_the_host_buffer():
+    engine = _engine()
+    spans = [("a", [1] * 16, 0), ("b", [2] * 7, 13), ("c", [3], 1)]
+    _reserve(engine, spans)
+    step = engine._step_host(spans)
+    host = upload(step, torch.device("cpu"))
+    for _ in range(3):  # pinned blocks are reused: each copy must carry its own step
+        dev = upload(step, torch.device("cuda"))
+        for name in ("token_ids", "positions", "slots"):
+            assert torch.equal(getattr(dev, name).cpu(), getattr(host, name)), name
+        for name in ("cu_q", "kv_lens", "page_table", "anc_bits"):
+            assert torch.equal(getattr(dev.meta, name).cpu(), getattr(host.meta, name)), name
