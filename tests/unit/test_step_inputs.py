@@ -117,10 +117,9 @@ def test_the_pinned_copy_to_the_gpu_equals_the_host_buffer():
     engine = _engine()
     spans = [("a", [1] * 16, 0), ("b", [2] * 7, 13), ("c", [3], 1)]
     _reserve(engine, spans)
-    step = engine._step_host(spans)
-    host = upload(step, torch.device("cpu"))
-    for _ in range(3):  # pinned blocks are reused: each copy must carry its own step
-        dev = upload(step, torch.device("cuda"))
+    for i in range(3):  # pinned blocks are reused: each copy must carry its own step's ids
+        step = engine._step_host([(r, [t + 10 * i for t in toks], s) for r, toks, s in spans])
+        host, dev = upload(step, torch.device("cpu")), upload(step, torch.device("cuda"))
         for name in ("token_ids", "positions", "slots"):
             assert torch.equal(getattr(dev, name).cpu(), getattr(host, name)), name
         for name in ("cu_q", "kv_lens", "page_table", "anc_bits"):
