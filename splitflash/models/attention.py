@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,10 +36,24 @@ class AttentionMeta:
     kv_bound: int | None = None
 
 
+@lru_cache(maxsize=256)
+def _chain_bits(q_lens: tuple[int, ...]) -> np.ndarray:
+    i = np.concatenate([np.arange(q, dtype=np.int64) for q in q_lens])
+    bits = np.where(i < 63, (np.int64(1) << np.minimum(i + 1, 63)) - 1, -1)
+    bits.flags.writeable = False  # shared by every caller of the cache
+    return bits
+
+
+def chain_bits(q_lens: list[int]) -> np.ndarray:
+    """Ancestor bits of chains, node i sees nodes 0..i: [N] int64 on the host (read-only,
+    cached: a server's steps repeat a few shapes). Node 62's 2**63 - 1 comes out of int64
+    wrap-around ((-2**63) - 1); node 63 sees all 64 bits (-1)."""
+    return _chain_bits(tuple(q_lens))
+
+
 def causal_bits(q_lens: list[int], device=None) -> torch.Tensor:
-    """Ancestor bits of chains: node i sees nodes 0..i. [N] int64."""
-    rows = [(1 << (i + 1)) - 1 if i < 63 else -1 for q in q_lens for i in range(q)]
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    """chain_bits as a tensor: [N] int64."""
+    return torch.tensor(chain_bits(q_lens), dtype=torch.int64, device=device)
 
 
 def _gather(pages: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:

@@ -19,13 +19,12 @@ parts first so each starts 8-byte aligned:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import accumulate
 
 import numpy as np
 import torch
 
-from splitflash.models.attention import MAX_TREE_Q, AttentionMeta
+from splitflash.models.attention import MAX_TREE_Q, AttentionMeta, chain_bits
 from splitflash.models.target import ForwardBatch
 
 _I64_PARTS = 4  # token_ids, positions, slots, anc_bits
@@ -59,20 +58,6 @@ class StepHost:
             kv_lens=self.kv_lens + [q] * extra,
             page_rows=self.page_rows + [pad_pages] * extra,
         )
-
-
-@lru_cache(maxsize=256)
-def _chain_bits(q_lens: tuple[int, ...]) -> np.ndarray:
-    i = np.concatenate([np.arange(q, dtype=np.int64) for q in q_lens])
-    bits = np.where(i < 63, (np.int64(1) << np.minimum(i + 1, 63)) - 1, -1)
-    bits.flags.writeable = False  # shared by every caller of the cache
-    return bits
-
-
-def chain_bits(q_lens: list[int]) -> np.ndarray:
-    """Ancestor bits of chains, node i sees nodes 0..i: [N] int64, as causal_bits. Node 62's
-    2**63 - 1 comes out of int64 wrap-around ((-2**63) - 1); node 63 sees all 64 bits (-1)."""
-    return _chain_bits(tuple(q_lens))  # cached: a server's steps repeat a few shapes
 
 
 def buffer_words(n: int, b: int, width: int) -> int:

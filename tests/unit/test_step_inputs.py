@@ -124,3 +124,10 @@ def test_the_pinned_copy_to_the_gpu_equals_the_host_buffer():
             assert torch.equal(getattr(dev, name).cpu(), getattr(host, name)), name
         for name in ("cu_q", "kv_lens", "page_table", "anc_bits"):
             assert torch.equal(getattr(dev.meta, name).cpu(), getattr(host.meta, name)), name
+
+
+def test_chain_bits_against_python_ints():
+    # The independent formula: node i of a chain sees nodes 0..i, bit 63 as int64's sign.
+    q_lens = [1, 7, 63, 64, 16]
+    want = [(1 << (i + 1)) - 1 if i < 63 else -1 for q in q_lens for i in range(q)]
+    assert causal_bits(q_lens).tolist() == want

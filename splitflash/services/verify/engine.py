@@ -87,7 +87,7 @@ class TargetEngine:
         the whole batch: this runs every step, and per-request array ops cost microseconds
         each (bench/host_step --batches)."""
         size = self.cache.page_size
-        page_rows, firsts, starts, q_lens, kv_lens = [], [], [], [], []
+        page_rows, tails, firsts, starts, q_lens, kv_lens = [], [], [], [], [], []
         for seq_id, toks, start in spans:
             end = start + len(toks)
             kv = self.cache.seq(seq_id)
@@ -95,20 +95,21 @@ class TargetEngine:
                 raise ValueError(f"request {seq_id!r}: KV for {end} tokens is not reserved "
                                  f"({len(kv.pages)} pages of {size})")  # fmt: skip
             # The pages holding the kv_len keys: the same row whatever spare pages it has.
-            page_rows.append(kv.page_ids[: -(-end // size)])
+            row = kv.page_ids[: self.cache.pages_for(end)]
+            page_rows.append(row)
+            tails.append(row[start // size :])  # from the block's first page
             firsts.append(start // size)
             starts.append(start)
             q_lens.append(len(toks))
             kv_lens.append(end)
-        # Each token's slot: its page, looked up in the concatenated tails of the page rows
-        # from the block's first page, times the page size, plus its offset in the page.
-        tails = np.concatenate([row[f:] for row, f in zip(page_rows, firsts, strict=True)])
-        tail_at = np.cumsum([0] + [len(row) - f for row, f in zip(page_rows, firsts, strict=True)])
+        # Each token's slot: its page, looked up in the concatenated tails of the page rows,
+        # times the page size, plus its offset in the page.
+        tail_at = np.cumsum([0] + [len(t) for t in tails])  # [B+1]
         lens = np.array(q_lens)
         first_token = np.cumsum(lens) - lens  # [B] row of each request's first new token
         positions = np.arange(sum(q_lens), dtype=np.int64) + np.repeat(starts - first_token, lens)
         page_idx = positions // size + np.repeat(tail_at[:-1] - np.array(firsts), lens)
-        slots = tails[page_idx].astype(np.int64) * size + positions % size
+        slots = np.concatenate(tails)[page_idx].astype(np.int64) * size + positions % size
         token_ids = np.fromiter((t for _, toks, _ in spans for t in toks), np.int64)
         return StepHost(token_ids, positions, slots, q_lens, kv_lens, page_rows)
 
