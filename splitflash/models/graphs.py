@@ -16,8 +16,7 @@ Graphs are captured lazily on first use of a key (after an eager warm-up that co
 autotunes every kernel outside the capture) and kept in an LRU of `max_graphs`; all share one
 memory pool. With capture=False (CPU, tests) the same padded static step runs eagerly:
 everything but the capture, so the padding is testable anywhere. Outputs are copied out of
-the static buffers only where the caller keeps them (features); logits and each row's argmax
-(computed inside the graph) are views, valid until the next run.
+the static buffers before returning, so a later replay never overwrites what a caller holds.
 """
 
 from __future__ import annotations
@@ -112,23 +111,13 @@ class VerifyGraphs:
             self._graphs.move_to_end(key)
             self._load(entry.buf, step, shape)
         if entry.graph is None:
-            entry.out = self._forward(entry.batch, key[3])
+            entry.out = self.model(entry.batch, self.cache, None, key[3])
         else:
             entry.graph.replay()
         self.replays += 1
         n = len(step.token_ids)
-        out = entry.out
-        # Features outlive the step (the drafter's next proposal): copied. Logits and argmax
-        # are read before the next run (acceptance): views, not a [N, V] fp32 copy per step.
-        hidden = None if out.hidden is None else out.hidden[:n].clone()
-        return ForwardOutput(logits=out.logits[:n], hidden=hidden, argmax=out.argmax[:n])
-
-    def _forward(self, batch: ForwardBatch, layer_ids: tuple[int, ...]) -> ForwardOutput:
-        """The static step: the forward and each row's argmax (greedy acceptance), captured
-        together so a greedy step copies N ids to the host, not N x V logits."""
-        out = self.model(batch, self.cache, None, layer_ids)
-        out.argmax = out.logits.argmax(dim=-1)
-        return out
+        hidden = None if entry.out.hidden is None else entry.out.hidden[:n].clone()
+        return ForwardOutput(logits=entry.out.logits[:n].clone(), hidden=hidden)
 
     # --- static buffers --------------------------------------------------------------
     def _load(self, buf: torch.Tensor, step: StepHost, key: tuple[int, int, int]) -> None:
@@ -161,11 +150,11 @@ class VerifyGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(static, layer_ids)
+                self.model(static, self.cache, None, layer_ids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(static, layer_ids)
+            out = self.model(static, self.cache, None, layer_ids)
         entry = _Captured(graph, buf, static, out)
         self._graphs[key] = entry
         self.captures += 1

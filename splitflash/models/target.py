@@ -120,7 +120,6 @@ class ForwardBatch:
 class ForwardOutput:
     logits: torch.Tensor  # [R, V] fp32, rows chosen by logits_rows
     hidden: torch.Tensor | None  # [N, len(layer_ids) * D] or None
-    argmax: torch.Tensor | None = None  # [R] int64 argmax of each row, where already computed
 
 
 class TargetModel(nn.Module):

@@ -195,12 +195,9 @@ class TargetEngine:
         self.last_forward_mode = "eager" if out is None else "graph"
         if out is None:  # no graph fits this step (or none wanted): eager
             out = self.model(upload(step, self.device), self.cache, None, self.feature_layer_ids)
-        # Every greedy row's argmax in one device->host copy, not one sync per request (a
-        # graph computes it inside the replay).
+        # Every greedy row's argmax in one device->host copy, not one sync per request.
         greedy = any(self.seqs[s[0]].sampling.greedy for s in spans)
-        argmax = None
-        if greedy:
-            argmax = (out.logits.argmax(dim=-1) if out.argmax is None else out.argmax).tolist()
+        argmax = out.logits.argmax(dim=-1).tolist() if greedy else None  # [N] ids
         lo = 0
         for rid, block, kv_len, max_commit in spans:
             seq = self.seqs[rid]
