@@ -21,6 +21,7 @@ import triton.language as tl
 
 from splitflash.kernels.online_softmax import attend_tile, attend_tile_full
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, check_paged_inputs
+from splitflash.kernels.pdl import pdl_enabled
 from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
     SPLIT_ALIGN,
@@ -117,8 +118,10 @@ def _paged_attn_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
+    if TRIGGER:  # the split combine may launch (PDL) once every program has started
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0) // m_tiles
     m_tile = tl.program_id(0) % m_tiles
     b = tl.program_id(1)
@@ -277,6 +280,7 @@ def paged_attention_triton(
         H=n_heads, G=group, D=head_dim, PAGE=page_size, BLOCK_M=lp.block_m,
         BLOCK_D=max(16, next_pow2(head_dim)), DIRECT_OUT=direct, UPCAST=upcast,
         DOT_IEEE=upcast, SPLIT_ALIGN=SPLIT_ALIGN,
+        TRIGGER=not direct and pdl_enabled(q.device),
     )  # fmt: skip
     # Row tile fastest (see module docstring): programs sharing a key range run together.
     grid = (n_splits * lp.m_tiles, n_req, n_kv_heads)

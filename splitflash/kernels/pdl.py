@@ -16,9 +16,14 @@ The attention kernel is NOT launched with PDL. Measured on the H200 (bench/RESUL
 on RoPE / attention / combine made the 185k verify step 0.43 ms slower (2.92 vs 2.49 ms)
 while saving 0.15 ms at 512. The likely cause: its grid is planned as exactly one resident
 wave (kernels/tuning.py), and programs placed early, next to the previous kernel's, leave
-some without a slot until a first one finishes (a second wave for a whole split). The
-combine after it may use PDL: attention never triggers early, so combine starts as
-attention completes.
+some without a slot until a first one finishes (a second wave for a whole split).
+
+The attention kernel does trigger its dependent early: every program calls
+`gdc_launch_dependents` first, so the split combine (PDL) is launched as soon as the last
+attention program has started (never before: no combine program can take an attention
+program's slot) and waits in `gdc_wait` for the result. Measured on the H200, alternated
+(bench/RESULTS.md): the graphed verify step at q 16 went 1.39/1.28 -> 1.02/1.01 ms at 32k and
+2.21 -> 1.96 ms at 185k; at q 1 and at 512 keys it gained 1-2%.
 
 Off (USE_GDC False, no launch flag) on CPU, in the interpreter, before sm_90, and with
 SPLITFLASH_PDL=0 (to measure with and without, or to rule it out when debugging).

@@ -81,25 +81,66 @@ class Client:
         With `expect`, an Error reply raises RemoteError and another type ProtocolError.
         A reply this side cannot decode raises MalformedFrame (a ProtocolError).
         """
-        call_id = self._ids.new()
+        (outcome,) = self.call_many([(msg, frames)], timeout_s=timeout_s, expect=expect)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def call_many(
+        self,
+        calls: Sequence[tuple[Any, Frames]],
+        *,
+        timeout_s: float,
+        expect: type | None = None,
+    ) -> list[Reply | PeerTimeout | ProtocolError]:
+        """Send every (msg, frames), then gather the replies.
+
+        Pipelined: the batch costs one round trip, not one per call (the peer still answers
+        each in the order it reads them). `timeout_s` bounds each wait (a send slot, the
+        next reply) and restarts on every reply: a stuck peer fails the batch within
+        `timeout_s`, a busy one answering a long batch does not. Entry i is call i's
+        (reply, frames) or what it met instead, as `call` would raise it: PeerTimeout,
+        RemoteError / ProtocolError / MalformedFrame. Never raises for one call.
+        """
+        outcomes: list[Reply | PeerTimeout | ProtocolError | None] = [None] * len(calls)
+        waiting: dict[bytes, int] = {}  # call_id -> index of a call sent, not yet answered
+        for i, (msg, frames) in enumerate(calls):
+            call_id = self._ids.new()
+            wait_ms = _ms(timeout_s)
+            try:
+                dealer_send(self.sock, call_id, msg, self.requests, frames, timeout_ms=wait_ms)
+            except PeerTimeout as e:  # no peer takes messages: the rest would wait as long
+                for j in range(i, len(calls)):
+                    outcomes[j] = e
+                break
+            waiting[call_id] = i
         deadline = time.monotonic() + timeout_s
-        dealer_send(self.sock, call_id, msg, self.requests, frames, timeout_ms=_ms(timeout_s))
-        while True:
+        while waiting:
             left = deadline - time.monotonic()
             try:
                 inc = recv(self.sock, self.responses, router=False, timeout_ms=_ms(left))
             except PeerTimeout:
-                raise PeerTimeout(
-                    f"no reply to {type(msg).__name__} within {timeout_s:.3f} s"
-                ) from None
+                for i in waiting.values():
+                    name = type(calls[i][0]).__name__
+                    outcomes[i] = PeerTimeout(f"no reply to {name} within {timeout_s:.3f} s")
+                break
             except MalformedFrame as e:
-                if e.call_id == call_id:
-                    raise
-                self._stale(e.call_id)
+                i = waiting.pop(e.call_id, None)
+                if i is None:
+                    self._stale(e.call_id)
+                else:
+                    outcomes[i] = e
                 continue
-            if inc.call_id == call_id:
-                return _checked(inc, expect)
-            self._stale(inc.call_id)
+            i = waiting.pop(inc.call_id, None)
+            if i is None:
+                self._stale(inc.call_id)
+                continue
+            deadline = time.monotonic() + timeout_s
+            try:
+                outcomes[i] = _checked(inc, expect)
+            except ProtocolError as e:
+                outcomes[i] = e
+        return outcomes  # type: ignore[return-value]  # every entry is set above
 
     def _stale(self, call_id: bytes) -> None:
         log.debug("dropping a reply to call %s, which is no longer waited for", call_id.hex())

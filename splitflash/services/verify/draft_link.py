@@ -35,6 +35,26 @@ from splitflash.protocol.security import CurveClient
 
 log = logging.getLogger(__name__)
 
+# Feature batches up to this size are copied to pinned host memory with one wait for the GPU;
+# larger ones (long prefills) go through pageable memory so no GBs stay pinned in the cache.
+PINNED_MAX_BYTES = 64 << 20
+
+
+def host_copies(feats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fresh host copies of feature rows [n_i, F] (zmq may read them after a send returns,
+    so never the caller's buffers): on CUDA every copy is queued and the stream waited for
+    once, instead of one synchronous copy per request."""
+    first, sizes = feats[0], [f.shape[0] for f in feats]
+    nbytes = sum(f.numel() for f in feats) * first.element_size()
+    pinned = first.is_cuda and nbytes <= PINNED_MAX_BYTES
+    host = torch.empty((sum(sizes), *first.shape[1:]), dtype=first.dtype, pin_memory=pinned)
+    parts = list(host.split(sizes))
+    for dst, src in zip(parts, feats, strict=True):
+        dst.copy_(src, non_blocking=pinned)
+    if pinned:
+        torch.cuda.current_stream(first.device).synchronize()
+    return parts
+
 
 class DraftLink:
     def __init__(
@@ -96,53 +116,67 @@ class DraftLink:
         self._on_failure(f"features_{reason}")
         self._down_until = time.monotonic() + self._retry_s
 
-    def send(
-        self, request_id: str, start_pos: int, feats: torch.Tensor, layer_ids: tuple[int, ...]
-    ) -> bool:
-        """Deliver rows [start_pos, start_pos + len(feats)) of one request; True if acked."""
-        if request_id in self.broken:
-            return False
-        client = self._connected()
+    def send_many(
+        self, batch: list[tuple[str, int, torch.Tensor]], layer_ids: tuple[int, ...]
+    ) -> dict[str, bool]:
+        """Deliver (request_id, start_pos, rows [n, F]) of several requests in one pipelined
+        exchange: every Features message is sent, then every ack awaited (one timeout for
+        the batch), so a step of B requests costs one round trip, not B. Rows on the CPU
+        should be a fresh tensor the caller no longer writes (zmq may read them late).
+        Returns request_id -> True when all its rows were acked."""
+        delivered = {rid: False for rid, _, _ in batch}
+        live = [item for item in batch if item[0] not in self.broken]
+        client = self._connected() if live else None
         if client is None:
-            self.broken.add(request_id)
-            return False
-        for lo in range(0, max(1, feats.shape[0]), self._chunk_rows):
-            rows = feats[lo : lo + self._chunk_rows]
-            if not self._send_chunk(client, request_id, start_pos + lo, rows, layer_ids):
-                self.broken.add(request_id)
-                return False
-        return True
+            self.broken.update(rid for rid, _, _ in live)
+            return delivered
+        calls, owners = [], []  # owners[i]: the request of calls[i]
+        for rid, start_pos, feats in live:
+            for lo in range(0, max(1, feats.shape[0]), self._chunk_rows):
+                calls.append(
+                    self._features_call(
+                        rid, start_pos + lo, feats[lo : lo + self._chunk_rows], layer_ids
+                    )
+                )
+                owners.append(rid)
+        outcomes = client.call_many(calls, timeout_s=self._timeout_s, expect=FeaturesAck)
+        failed = {
+            rid
+            for rid, outcome in zip(owners, outcomes, strict=True)
+            if not self._acked(rid, outcome)
+        }
+        timeouts = [o for o in outcomes if isinstance(o, PeerTimeout)]
+        if timeouts:  # the late acks, if any, are dropped by call_id; retried after retry_s
+            self._fail("timeout", f"{len(timeouts)} of {len(calls)} Features: {timeouts[0]}")
+        self.broken.update(failed)
+        for rid, _, _ in live:
+            delivered[rid] = rid not in failed
+        return delivered
 
-    def _send_chunk(
-        self,
-        client: Client,
-        request_id: str,
-        start: int,
-        rows: torch.Tensor,
-        layer_ids: tuple[int, ...],
-    ) -> bool:
-        # A fresh contiguous copy: zmq may read the frame after send returns (tensors.py).
-        header, raw = encode_tensor(rows.detach().to("cpu", copy=True).contiguous())
+    @staticmethod
+    def _features_call(rid: str, start: int, rows: torch.Tensor, layer_ids: tuple[int, ...]):
+        """(Features, [raw rows]) of one chunk; a GPU tensor is copied to the host here."""
+        header, raw = encode_tensor(rows.detach())
         msg = Features(
-            request_id=request_id,
+            request_id=rid,
             start_pos=start,
             n_tokens=rows.shape[0],
             layer_ids=list(layer_ids),
             dtype=header.dtype,
             shape=header.shape,
         )
-        try:
-            ack, _ = client.call(msg, [raw], timeout_s=self._timeout_s, expect=FeaturesAck)
-        except PeerTimeout as e:
-            # The late ack, if any, is dropped by call_id; the link is reused after retry_s.
-            self._fail("timeout", str(e))
+        return msg, [raw]
+
+    def _acked(self, rid: str, outcome) -> bool:
+        if isinstance(outcome, PeerTimeout):
+            return False  # counted once for the batch by send_many
+        if isinstance(outcome, ProtocolError):
+            self._fail("refused", f"{rid}: {outcome}")
             return False
-        except ProtocolError as e:
-            self._fail("refused", f"{request_id}: {e}")
-            return False
+        ack, _ = outcome
         if ack.error is not None:
             # The drafter refused these rows (unknown request, gap): only this request is hit.
-            log.warning("drafter refused features of %s: %s", request_id, ack.error)
+            log.warning("drafter refused features of %s: %s", rid, ack.error)
             self._on_failure("features_refused")
             return False
         return True

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 
+import torch
 import zmq
 
 from splitflash.protocol import (
@@ -40,7 +41,7 @@ from splitflash.protocol import (
 )
 from splitflash.protocol.security import client_curve_from, open_router, server_curve_from
 from splitflash.services.verify.config import VerifySettings
-from splitflash.services.verify.draft_link import DraftLink, DraftLinks
+from splitflash.services.verify.draft_link import DraftLink, DraftLinks, host_copies
 from splitflash.services.verify.engine import DesyncError, StepReport, TargetEngine, VerifyInput
 from splitflash.services.verify.metrics_server import build_verify_metrics, start_metrics_http
 from splitflash.services.verify.sampling import Sampling
@@ -201,15 +202,13 @@ class VerifyServer:
     # --- prefill --------------------------------------------------------------------
     def _prefill(self, msg: Prefill, t0: float) -> PrefillReply:
         """Each item alone (prompts differ in length); "forward" excludes feature sends."""
-        results, forward = [], 0.0
+        outcomes, forward = [], 0.0
         for item in msg.items:
             t = time.perf_counter()
-            outcome = self._prefill_one(item)
+            outcomes.append(self._prefill_one(item))
             forward += time.perf_counter() - t
-            if isinstance(outcome, StepReport):
-                self._send_features(outcome)
-                outcome = self._result(outcome)
-            results.append(outcome)
+        self._send_features([x for x in outcomes if isinstance(x, StepReport)])
+        results = [self._result(x) if isinstance(x, StepReport) else x for x in outcomes]
         self.metrics.verify_seconds.observe(forward)
         total = time.perf_counter() - t0
         return PrefillReply(results=results, timings={"forward": forward, "total": total})
@@ -256,9 +255,8 @@ class VerifyServer:
         reports = self._run_verify([x for _, x in inputs]) if inputs else []
         forward = time.perf_counter() - t
         self.metrics.verify_seconds.observe(forward)
+        self._send_features(reports)
         for (i, _), report in zip(inputs, reports, strict=True):
-            if report.error is None:
-                self._send_features(report)
             results[i] = self._result(report)
         ordered = [results[i] for i in range(len(msg.items))]
         total = time.perf_counter() - t0
@@ -279,11 +277,22 @@ class VerifyServer:
         self.metrics.add_kv_bytes(max(base_lens), kv_bytes)
         return reports
 
-    def _send_features(self, report: StepReport) -> None:
-        rid, feats = report.request_id, report.features  # feats [kept rows, F] or None
-        link = self._feature_peers.get(rid)
-        if link is not None and feats is not None:
-            link.send(rid, report.feature_start, feats, self.engine.feature_layer_ids)
+    def _send_features(self, reports: list[StepReport]) -> None:
+        """Features of a step's reports to their drafters: one device->host copy for all of
+        them, then one pipelined exchange per draft peer (DraftLink.send_many)."""
+        sent = [
+            (self._feature_peers[r.request_id], r)
+            for r in reports
+            if r.error is None and r.features is not None and r.request_id in self._feature_peers
+        ]
+        if not sent:
+            return
+        rows = host_copies([r.features for _, r in sent])
+        by_link: dict[DraftLink, list[tuple[str, int, torch.Tensor]]] = {}
+        for (link, r), feats in zip(sent, rows, strict=True):
+            by_link.setdefault(link, []).append((r.request_id, r.feature_start, feats))
+        for link, batch in by_link.items():
+            link.send_many(batch, self.engine.feature_layer_ids)
 
     # --- release --------------------------------------------------------------------
     def _release(self, msg: Release) -> ReleaseReply:
