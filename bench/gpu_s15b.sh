@@ -1,9 +1,9 @@
 #!/bin/bash
 # Session 15, device call B: two attention-launch experiments, toggled by env, alternated:
-# Ran on the working tree of fe07892 with temporary env toggles in kernels/paged_attention.py;
-# the trigger became the default (ae81398) and the toggles were removed: a record of what ran.
 #   SPLITFLASH_ATTN_TRIGGER=1  attention lets its split combine (PDL) be scheduled at once
 #   SPLITFLASH_PART_FP16=1     split partial outputs stored in fp16 instead of fp32
+# Ran on the working tree of fe07892 with temporary env toggles in kernels/paged_attention.py;
+# the trigger became the default (ae81398) and the toggles were removed: a record of what ran.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site

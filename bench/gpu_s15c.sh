@@ -1,8 +1,8 @@
 #!/bin/bash
 # Session 15, device call C: attention triggering its combine's launch early
+# (SPLITFLASH_ATTN_TRIGGER=1) against off, alternated, in the verify step.
 # Ran on the working tree of fe07892 with temporary env toggles in kernels/paged_attention.py;
 # the trigger became the default (ae81398) and the toggles were removed: a record of what ran.
-# (SPLITFLASH_ATTN_TRIGGER=1) against off, alternated, in the verify step.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
