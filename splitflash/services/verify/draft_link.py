@@ -1,8 +1,10 @@
 """Verify's data-plane link to the draft service: target features as `Features` frames.
 
-Blocking and owned by the verify server's one thread. Each send waits for its FeaturesAck
-(short timeout), so when a Prefill/Verify reply leaves verify, the drafter already holds that
-step's features (or the send failed and was counted). A failure never fails the step: the
+Blocking and owned by the verify server's one thread. A step's Features messages (every
+request, every chunk) are sent back to back and then all their FeaturesAcks awaited (short
+timeout per wait): one round trip per step and draft peer, not one per request. So when a
+Prefill/Verify reply leaves verify, the drafter already holds that step's features (or the
+send failed and was counted). A failure never fails the step: the
 drafter then lacks features for that request, refuses to draft it, and the gateway falls
 back to plain decode steps. A request whose feature stream has a gap is not sent any more
 features (the drafter would refuse them: `start_pos` must equal its feature length).
