@@ -122,8 +122,8 @@ class DraftLink:
         self, batch: list[tuple[str, int, torch.Tensor]], layer_ids: tuple[int, ...]
     ) -> dict[str, bool]:
         """Deliver (request_id, start_pos, rows [n, F]) of several requests in one pipelined
-        exchange: every Features message is sent, then every ack awaited (one timeout for
-        the batch), so a step of B requests costs one round trip, not B. Rows on the CPU
+        exchange: every Features message is sent, then every ack awaited (Client.call_many), so
+        a step of B requests costs one round trip, not B. Rows on the CPU
         should be a fresh tensor the caller no longer writes (zmq may read them late).
         Returns request_id -> True when all its rows were acked."""
         delivered = {rid: False for rid, _, _ in batch}
