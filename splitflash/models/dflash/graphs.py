@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitflash.kernels.tuning import kv_bucket
@@ -40,11 +41,38 @@ log = logging.getLogger("splitflash.graphs")
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: capture=False, run the static step eagerly
-    ids: torch.Tensor  # [N_pad, T] long: anchor + MASK tokens
-    pos: torch.Tensor  # [N_pad, T] long: absolute positions
+    buf: torch.Tensor  # int32 words, the four inputs below packed (_pack): one copy per step
+    ids: torch.Tensor  # [N_pad, T] long: anchor + MASK tokens (a view of buf)
+    pos: torch.Tensor  # [N_pad, T] long: absolute positions (a view of buf)
     slots: torch.Tensor  # [N_pad] int32: pool slot per row (0 = scratch for padding)
     n_ctx: torch.Tensor  # [N_pad] int32: context tokens per row
     out: torch.Tensor | None  # [N_pad, T-1, V] logits of the last replay
+
+
+def _pack(ids, pos, slots, n_ctx, n_pad: int, mask_id: int, pin: bool) -> torch.Tensor:
+    """A step's inputs in one host int32 buffer, so loading it is one (asynchronous, when
+    pinned) copy instead of four pageable ones and four padding fills (the verify step's
+    version: models/step_inputs.py). Layout in int32 words, the int64 parts first:
+        ids [N_pad, T] i64 | pos [N_pad, T] i64 | slots [N_pad] | n_ctx [N_pad]
+    Rows past the N real ones are padding: [MASK x T] at positions 0..T-1, scratch slot 0,
+    no context."""
+    n, t = ids.shape
+    buf = torch.empty(4 * n_pad * t + 2 * n_pad, dtype=torch.int32, pin_memory=pin)
+    words = buf.numpy()
+    i64 = words[: 4 * n_pad * t].view(np.int64).reshape(2, n_pad, t)
+    i64[0, :n], i64[1, :n] = ids.numpy(), pos.numpy()
+    i64[0, n:], i64[1, n:] = mask_id, np.arange(t)
+    small = words[4 * n_pad * t :].reshape(2, n_pad)
+    small[0, :n], small[1, :n] = slots, n_ctx
+    small[:, n:] = 0
+    return buf
+
+
+def _views(buf: torch.Tensor, n_pad: int, t: int) -> tuple[torch.Tensor, ...]:
+    """(ids, pos, slots, n_ctx) as views of a buffer laid out by _pack (on any device)."""
+    ids, pos = buf[: 4 * n_pad * t].view(torch.int64).view(2, n_pad, t)
+    slots, n_ctx = buf[4 * n_pad * t :].view(2, n_pad)
+    return ids, pos, slots, n_ctx
 
 
 class DraftGraphs:
@@ -131,31 +159,21 @@ class DraftGraphs:
         return self.drafter.forward_block(entry.ids, entry.pos, attend)
 
     def _load(self, entry: _Captured, ids, pos, slots, n_ctx) -> None:
-        """Copy a step into the static buffers; padding rows stay on the scratch slot."""
-        n, t = ids.shape
-        entry.ids[:n].copy_(ids)
-        entry.pos[:n].copy_(pos)
-        entry.slots[:n].copy_(torch.tensor(slots, dtype=torch.int32))
-        entry.n_ctx[:n].copy_(torch.tensor(n_ctx, dtype=torch.int32))
-        if n < entry.ids.shape[0]:  # [MASK x T] at positions 0..T-1, empty context, slot 0
-            entry.ids[n:].fill_(self.drafter.config.mask_token_id)
-            entry.pos[n:].copy_(torch.arange(t))
-            entry.slots[n:].zero_()
-            entry.n_ctx[n:].zero_()
+        """Copy a step into the static buffers in one copy; padding rows on the scratch slot.
+        From pinned memory the copy is asynchronous; the caching host allocator keeps the
+        pinned block from reuse until it has run."""
+        cuda = self.device.type == "cuda"
+        mask_id = self.drafter.config.mask_token_id
+        host = _pack(ids, pos, slots, n_ctx, entry.ids.shape[0], mask_id, pin=cuda)
+        entry.buf.copy_(host, non_blocking=cuda)
 
     def _capture(self, key, ids, pos, slots, n_ctx) -> _Captured:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
         n_pad, t, bucket = key
         dev = self.device
-        entry = _Captured(
-            graph=None,
-            ids=torch.empty((n_pad, t), dtype=torch.long, device=dev),
-            pos=torch.empty((n_pad, t), dtype=torch.long, device=dev),
-            slots=torch.empty(n_pad, dtype=torch.int32, device=dev),
-            n_ctx=torch.empty(n_pad, dtype=torch.int32, device=dev),
-            out=None,
-        )
+        buf = torch.empty(4 * n_pad * t + 2 * n_pad, dtype=torch.int32, device=dev)
+        entry = _Captured(None, buf, *_views(buf, n_pad, t), out=None)
         self._load(entry, ids, pos, slots, n_ctx)
         if self.capture:
             # Warm-up outside the capture (compiles, autotunes), on a side stream as capture
