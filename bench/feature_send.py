@@ -81,18 +81,15 @@ def run(batches: list[int], rows: int, reps: int) -> list[dict]:
     layers = (2, 8, 14, 21, 27)
     out = []
     for b in batches:
-        feats = [torch.randn(rows, FEATURE_WIDTH).to(torch.bfloat16) for _ in range(b)]
-        ids = [f"r{i}" for i in range(b)]
-        pos = [0]
+        batch = [(f"r{i}", 0, torch.randn(rows, FEATURE_WIDTH).to(torch.bfloat16))
+                 for i in range(b)]  # fmt: skip
 
-        def one_by_one():
-            for rid, f in zip(ids, feats, strict=True):
-                assert link.send_many([(rid, pos[0], f)], layers)[rid]
+        def one_by_one(batch=batch):  # each request's call waits for its ack (before)
+            for item in batch:
+                assert link.send_many([item], layers)[item[0]]
 
-        def pipelined():
-            sent = link.send_many([(rid, pos[0], f) for rid, f in zip(ids, feats, strict=True)],
-                                  layers)  # fmt: skip
-            assert all(sent.values())
+        def pipelined(batch=batch):  # every message sent, then every ack awaited
+            assert all(link.send_many(batch, layers).values())
 
         times = {"one_by_one": [], "pipelined": []}
         for i in range(reps + 5):  # alternated, the first 5 of each are warm-up

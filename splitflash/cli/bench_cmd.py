@@ -18,6 +18,7 @@ BENCHES = {
     "textstream": "bench.textstream",
     "ngram": "bench.ngram_cpu",
     "transport": "bench.transport",
+    "feature_send": "bench.feature_send",
 }
 
 

@@ -32,3 +32,15 @@ def test_cli_runs_the_host_step_benchmark():
     assert [(r[0], r[1]) for r in steps] == [("512", "1"), ("512", "3"), ("4096", "1"),
                                              ("4096", "3")]  # fmt: skip
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in steps)
+
+
+def test_cli_runs_the_feature_send_benchmark():
+    """Both ways deliver every request's features (the bench exits non-zero otherwise)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "splitflash", "bench", "feature_send", "--",
+         "--batches", "1", "3", "--reps", "5", "--rows", "4"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.replace(":", "").split() for line in out.splitlines() if line.startswith("B ")]
+    assert [r[1] for r in rows] == ["1", "3"]
+    assert all(float(r[5]) > 0 and float(r[8]) > 0 for r in rows), out
