@@ -25,6 +25,8 @@ class Generation:
     seconds: float
     violations: list[str] = field(default_factory=list)
     finish_reason: str = "length"
+    prefill_seconds: float = 0.0  # prompt forward + the drafter's prompt features
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens committed)
 
     @property
     def tokens_per_second(self) -> float:
@@ -62,6 +64,7 @@ def generate_local(
     t0 = time.perf_counter()
     stats = SpecStats()
     violations: list[str] = []
+    steps: list[tuple[float, int]] = []
     report = engine.prefill(rid, prompt_ids, sampling, stop_ids, max_tokens)
     out = list(report.outcome.committed)
     feeds = drafter is not None and hasattr(drafter, "add_features")
@@ -72,7 +75,9 @@ def generate_local(
             if feeds:
                 drafter.add_features(rid, report.feature_start, report.features)
         finished = report.finished
+        prefill_s = time.perf_counter() - t0
         while not finished:
+            t_step = time.perf_counter()
             base_len = len(prompt_ids) + len(out)
             if feeds and drafter.context_len(rid) != engine.cache.seq(rid).length:
                 raise DFlashDesyncError(
@@ -92,9 +97,11 @@ def generate_local(
                 drafter.extend(rid, o.committed, len(prompt_ids) + len(out))
                 if feeds:
                     drafter.add_features(rid, report.feature_start, report.features)
+            steps.append((time.perf_counter() - t_step, o.commit_len))
     finally:
         engine.release(rid)
         if drafter is not None:
             drafter.release(rid)
     reason = "stop" if out and out[-1] in set(stop_ids) else "length"
-    return Generation(out, stats, time.perf_counter() - t0, violations, reason)
+    seconds = time.perf_counter() - t0
+    return Generation(out, stats, seconds, violations, reason, prefill_s, steps)

@@ -19,6 +19,7 @@ BENCHES = {
     "ngram": "bench.ngram_cpu",
     "transport": "bench.transport",
     "feature_send": "bench.feature_send",
+    "long_context": "bench.long_context",
 }
 
 

@@ -4,6 +4,7 @@ one (the CPU host-step benchmark) end to end."""
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 
@@ -44,3 +45,22 @@ def test_cli_runs_the_feature_send_benchmark():
     rows = [line.replace(":", "").split() for line in out.splitlines() if line.startswith("B ")]
     assert [r[1] for r in rows] == ["1", "3"]
     assert all(float(r[5]) > 0 and float(r[8]) > 0 for r in rows), out
+
+
+def test_cli_runs_the_long_context_benchmark_losslessly(real_model_path, tmp_path):
+    """The real model and the shipped drafter, both windows, two contexts: every DFlash
+    output equals target-only decoding (the bench exits non-zero otherwise)."""
+    out = tmp_path / "lc.json"
+    subprocess.run(
+        [sys.executable, "-m", "splitflash", "bench", "long_context", "--",
+         "--device", "cpu", "--target", str(real_model_path), "--contexts", "48", "160",
+         "--max-tokens", "10", "--block-size", "4", "--warm-steps", "1",
+         "--windows", "checkpoint", "off", "--json-out", str(out)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [(r["context"], r["way"]) for r in rows] == [
+        (c, w) for c in (48, 160) for w in ("target-only", "dflash (checkpoint)", "dflash (off)")
+    ]
+    assert all(r["tokens"] == 10 and r["decode_tok_s"] > 0 and not r["violations"] for r in rows)
+    assert all(r["mean_commit_len"] == 1.0 for r in rows if r["way"] == "target-only")
