@@ -20,6 +20,7 @@ BENCHES = {
     "transport": "bench.transport",
     "feature_send": "bench.feature_send",
     "long_context": "bench.long_context",
+    "context_append": "bench.context_append",
 }
 
 

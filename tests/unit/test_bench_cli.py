@@ -64,3 +64,15 @@ def test_cli_runs_the_long_context_benchmark_losslessly(real_model_path, tmp_pat
     ]
     assert all(r["tokens"] == 10 and r["decode_tok_s"] > 0 and not r["violations"] for r in rows)
     assert all(r["mean_commit_len"] == 1.0 for r in rows if r["way"] == "target-only")
+
+
+def test_cli_runs_the_context_append_benchmark():
+    """Per-request and batched appends leave equal caches (the bench asserts it)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "splitflash", "bench", "context_append", "--",
+         "--device", "cpu", "--batches", "1", "3", "--reps", "3", "--context", "40"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.replace(":", "").split() for line in out.splitlines() if line.startswith("B ")]
+    assert [r[1] for r in rows] == ["1", "3"]
+    assert all(float(r[5]) > 0 and float(r[8]) > 0 for r in rows), out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,9 @@ logger = logging.getLogger("splitflash.draft")
 
 ASSET_DIR = Path(__file__).resolve().parents[2] / "assets" / "drafters"
 DEFAULT_DRAFTERS = {"smollm2-135m": "smollm2-135m-dflash"}
+# Feature rows projected per batched pass of DFlashProposer._flush: a step's rows (B x 16) go
+# in one pass, a long prompt's in passes of this many (bounded transient memory).
+FLUSH_ROWS = 8192
 
 
 def default_drafter_path(target: str = "smollm2-135m") -> Path:
@@ -49,6 +52,13 @@ def default_drafter_path(target: str = "smollm2-135m") -> Path:
 class DFlashDraftState:
     tokens: list[int]  # committed tokens: prompt + generated
     cache: DFlashState
+    # Features acked but not yet in the cache: (start_pos, rows [n, K*D]), in position order.
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def held(self) -> int:
+        """Context tokens held: in the cache, then pending."""
+        return self.cache.n_ctx + sum(f.shape[0] for _, f in self.pending)
 
 
 class DFlashProposer:
@@ -104,8 +114,38 @@ class DFlashProposer:
 
     def add_features(self, request_id: str, start_pos: int, features: torch.Tensor) -> None:
         """Target features [n, K*D] of the committed positions start_pos .. start_pos + n - 1
-        (the verify step's kept rows); start_pos must equal the context held."""
-        self.drafter.append_context(self._get(request_id).cache, features, start_pos)
+        (the verify step's kept rows); start_pos must equal the context held.
+
+        Checked now, written at the next proposal: a verify step's Features arrive one
+        message per request, and all requests' rows then go into the cache in one batched
+        pass (DFlashDrafter.append_contexts) instead of one ~40-kernel pass each."""
+        st = self._get(request_id)
+        if start_pos != st.held:
+            raise DFlashDesyncError(
+                f"features of {request_id!r} start at position {start_pos} but the drafter "
+                f"holds {st.held} context tokens (expected start_pos == {st.held})"
+            )
+        dim = self.drafter.config.feature_dim
+        if features.dim() != 2 or features.shape[1] != dim:
+            raise ValueError(f"features must be [n, K*D] = [n, {dim}], got {tuple(features.shape)}")
+        st.pending.append((start_pos, features))
+
+    def _flush(self) -> None:
+        """Write every pending feature row into the caches, in passes of <= FLUSH_ROWS rows
+        (a long prompt's features are not all projected at once). On failure the failed
+        pass's requests lose their pending rows: their next features are then refused as a
+        gap (start_pos past the context held), so they stop drafting, visibly."""
+        batch: list[tuple[DFlashDraftState, int, torch.Tensor]] = []
+        for st in self.requests.values():
+            batch += [(st, start, f) for start, f in st.pending]
+            st.pending = []
+        while batch:
+            rows, cut = 0, 0
+            while cut < len(batch) and (cut == 0 or rows + batch[cut][2].shape[0] <= FLUSH_ROWS):
+                rows += batch[cut][2].shape[0]
+                cut += 1
+            part, batch = batch[:cut], batch[cut:]
+            self.drafter.append_contexts([(st.cache, f, start) for st, start, f in part])
 
     def release(self, request_id: str) -> None:
         st = self.requests.pop(request_id, None)  # idempotent
@@ -113,7 +153,7 @@ class DFlashProposer:
             self.pool.release(st.cache)
 
     def context_len(self, request_id: str) -> int:
-        return self._get(request_id).cache.n_ctx
+        return self._get(request_id).held
 
     # ---- drafting ------------------------------------------------------------------------
     def _anchor(self, request_id: str) -> tuple[DFlashDraftState, int, int]:
@@ -138,6 +178,7 @@ class DFlashProposer:
         k = min(int(k), self.max_drafts)
         if k <= 0 or not request_ids:
             return [[] for _ in request_ids]
+        self._flush()
         picked = [self._anchor(r) for r in request_ids]
         args = ([p[0].cache for p in picked], [p[1] for p in picked], [p[2] for p in picked])
         logits = None if self.graphs is None else self.graphs.run(*args, block_size=k + 1)
