@@ -166,7 +166,10 @@ class DFlashDrafter(nn.Module):
         if not items:
             return
         w = self.fc.weight
-        feats = torch.cat([f.to(device=w.device, dtype=w.dtype) for _, f, _ in items])
+        rows = [f for _, f, _ in items]
+        if len({f.device for f in rows}) > 1:  # e.g. some on the host (zmq frames), some not
+            rows = [f.to(w.device) for f in rows]
+        feats = torch.cat(rows).to(device=w.device, dtype=w.dtype)  # one host->device copy
         ctx = self.hidden_norm(self.fc(feats))  # [sum n_i, D]
         positions = torch.cat([torch.arange(s, s + f.shape[0]) for _, f, s in items])
         cos, sin = self._rope(positions.to(w.device))
