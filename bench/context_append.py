@@ -60,12 +60,19 @@ def run(device: torch.device, batches: list[int], rows: int, context: int, reps:
                 _sync(device)
                 if i >= 3:
                     times[way].append((time.perf_counter() - t) * 1e3)
-        for a, c in zip(states["one"], states["batched"], strict=True):  # same rows written
+        # Same rows written both ways, up to GEMMs of another height: max |diff| relative
+        # to the largest value. Measured on the dev machine's CPU: 5e-7 typically, once
+        # 1.2e-4 at batch 1, where both ways run the very same ops (the CPU BLAS is not
+        # bit-reproducible under load); a wrong row or position would be O(1).
+        tol = 1e-3 if dtype == torch.float32 else 2e-2
+        for a, c in zip(states["one"], states["batched"], strict=True):
             assert a.n_ctx == c.n_ctx
             for la, lc in zip(a.layers, c.layers, strict=True):
                 n = a.n_ctx if la.window is None else min(a.n_ctx, la.window)
-                torch.testing.assert_close(lc.k[:n], la.k[:n])
-                torch.testing.assert_close(lc.v[:n], la.v[:n])
+                for x, y in ((la.k[:n], lc.k[:n]), (la.v[:n], lc.v[:n])):
+                    err = ((x - y).abs().max() / x.abs().max().clamp_min(1e-30)).item()
+                    if err > tol:
+                        raise SystemExit(f"batched appends differ: {err:.2e} > {tol} (B {b})")
         one, batched = statistics.median(times["one"]), statistics.median(times["batched"])
         out.append(dict(batch=b, rows=rows, one_by_one_ms=one, batched_ms=batched))
         print(f"B {b:3d}: one by one {one:.3f} ms, batched {batched:.3f} ms "
