@@ -7,7 +7,8 @@
 #   then run with carry [".whl", "before", "exp"].
 # 1. GPU tests of the draft graphs' one-copy load (9919a3b) and the pinned feature copies.
 # 2. Draft graphs: c317248 (before/) against this tree, alternated.
-# 3. Attention launched with PDL behind a RoPE kernel that triggers only at exit
+# 3. A step's context features into the drafter, per request vs batched (aefca33), on the GPU.
+# 4. Attention launched with PDL behind a RoPE kernel that triggers only at exit
 #    (SPLITFLASH_ATTN_PDL=1 in exp/) against off, alternated.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
@@ -19,6 +20,8 @@ dg() {
     131072 --batches 1 8 --reps 50 --json-out "$OUT/dg_$2.json" 2>&1 | grep -v Warn | tail -6)
 }
 dg before before1; dg . after1; dg before before2; dg . after2
+timeout 60 python3 -m bench.context_append --device cuda --batches 1 8 32 --reps 100 2>&1 \
+  | grep -v Warn | tail -3
 for a in 0 1 0 1; do
   (cd exp && SPLITFLASH_ATTN_PDL=$a PYTHONPATH=$PWD:/tmp/site timeout 80 python3 -m \
     bench.verify_step --contexts 512 185000 --q-lens 16 --reps 80 \
