@@ -104,9 +104,9 @@ class Client:
         """
         outcomes: list[Reply | PeerTimeout | ProtocolError | None] = [None] * len(calls)
         waiting: dict[bytes, int] = {}  # call_id -> index of a call sent, not yet answered
+        wait_ms = _ms(timeout_s)
         for i, (msg, frames) in enumerate(calls):
             call_id = self._ids.new()
-            wait_ms = _ms(timeout_s)
             try:
                 dealer_send(self.sock, call_id, msg, self.requests, frames, timeout_ms=wait_ms)
             except PeerTimeout as e:  # no peer takes messages: the rest would wait as long

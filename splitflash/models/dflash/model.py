@@ -132,6 +132,14 @@ class DFlashDrafter(nn.Module):
         cfg = self.config
         return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.fc.weight.dtype)
 
+    def check_features(self, features: torch.Tensor) -> None:
+        """ValueError unless features are [n, K*D] rows of this drafter's target layers."""
+        if features.dim() != 2 or features.shape[1] != self.config.feature_dim:
+            raise ValueError(
+                f"features must be [n, K*D] = [n, {self.config.feature_dim}], got "
+                f"{tuple(features.shape)}"
+            )
+
     def append_context(self, state: DFlashState, features: torch.Tensor, start_pos: int) -> None:
         """Commit target features [n, K*D] of the tokens at start_pos .. start_pos + n - 1.
 
@@ -156,11 +164,7 @@ class DFlashDrafter(nn.Module):
                     f"append_context desync: features start at position {start_pos} but the "
                     f"drafter holds {expected} context tokens (expected start_pos == {expected})"
                 )
-            if features.dim() != 2 or features.shape[1] != self.config.feature_dim:
-                raise ValueError(
-                    f"features must be [n, K*D] = [n, {self.config.feature_dim}], got "
-                    f"{tuple(features.shape)}"
-                )
+            self.check_features(features)
             held[id(state)] = start_pos + features.shape[0]
         items = [item for item in items if item[1].shape[0] > 0]
         if not items:

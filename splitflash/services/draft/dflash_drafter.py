@@ -125,9 +125,7 @@ class DFlashProposer:
                 f"features of {request_id!r} start at position {start_pos} but the drafter "
                 f"holds {st.held} context tokens (expected start_pos == {st.held})"
             )
-        dim = self.drafter.config.feature_dim
-        if features.dim() != 2 or features.shape[1] != dim:
-            raise ValueError(f"features must be [n, K*D] = [n, {dim}], got {tuple(features.shape)}")
+        self.drafter.check_features(features)
         st.pending.append((start_pos, features))
 
     def _flush(self) -> None:
@@ -135,17 +133,18 @@ class DFlashProposer:
         (a long prompt's features are not all projected at once). On failure the failed
         pass's requests lose their pending rows: their next features are then refused as a
         gap (start_pos past the context held), so they stop drafting, visibly."""
-        batch: list[tuple[DFlashDraftState, int, torch.Tensor]] = []
+        part: list[tuple[DFlashState, torch.Tensor, int]] = []
+        rows = 0
         for st in self.requests.values():
-            batch += [(st, start, f) for start, f in st.pending]
-            st.pending = []
-        while batch:
-            rows, cut = 0, 0
-            while cut < len(batch) and (cut == 0 or rows + batch[cut][2].shape[0] <= FLUSH_ROWS):
-                rows += batch[cut][2].shape[0]
-                cut += 1
-            part, batch = batch[:cut], batch[cut:]
-            self.drafter.append_contexts([(st.cache, f, start) for st, start, f in part])
+            pending, st.pending = st.pending, []
+            for start, f in pending:
+                if part and rows + f.shape[0] > FLUSH_ROWS:
+                    self.drafter.append_contexts(part)
+                    part, rows = [], 0
+                part.append((st.cache, f, start))
+                rows += f.shape[0]
+        if part:
+            self.drafter.append_contexts(part)
 
     def release(self, request_id: str) -> None:
         st = self.requests.pop(request_id, None)  # idempotent
