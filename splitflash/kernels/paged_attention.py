@@ -118,8 +118,7 @@ def _paged_attn_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr, TRIGGER: tl.constexpr, GDC_WAIT: tl.constexpr,
-    PEEL: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
     if TRIGGER:  # the split combine may launch (PDL) once every program has started
         tl.extra.cuda.gdc_launch_dependents()
@@ -130,13 +129,26 @@ def _paged_attn_kernel(
     q0 = tl.load(cu_q_ptr + b).to(tl.int32)
     q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q0
     if m_tile * BLOCK_M >= q_len * G:
-        if GDC_WAIT:  # completion stays transitive (kernels/pdl.py)
-            tl.extra.cuda.gdc_wait()
         return  # this request has fewer rows than the widest one in the batch
     kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
     prefix = kv_len - q_len
     pages_ptr = page_table_ptr + b * max_pages
 
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    qi = rows // G
+    head = kv_head * G + rows % G
+    row_ok = qi < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q_ptrs = q_ptr + (q0 + qi)[:, None] * stride_qn + head[:, None] * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    anc = tl.load(anc_ptr + q0 + qi, mask=row_ok, other=0)  # [BLOCK_M] int64
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile stays nan-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys per split from THIS request's length, a multiple of SPLIT_ALIGN (so of BLOCK_N:
     # tiles stay aligned). The host plans only the split count, for an upper bound of the
     # lengths (a CUDA graph's KV bucket, up to 2x the real length): sized from the bound,
@@ -154,36 +166,7 @@ def _paged_attn_kernel(
     # overlap of loads and math); carried, K/V get num_stages buffers.
     last_page = tl.maximum(p_end - 1, 0) // PAGE
     page = _page_ids(pages_ptr, start + tl.arange(0, BLOCK_N), last_page, PAGE)  # [BLOCK_N]
-    if PEEL:  # the first tile's K/V before q: prefix keys, which no kernel of the step writes
-        k0, v0 = _load_kv_full(
-            k_ptr, v_ptr, page, start + tl.arange(0, BLOCK_N), kv_head,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE, BLOCK_D, D, UPCAST,
-        )  # fmt: skip
-        page = _page_ids(pages_ptr, start + BLOCK_N + tl.arange(0, BLOCK_N), last_page, PAGE)
-    if GDC_WAIT:  # q comes from the RoPE kernel launched just before (kernels/pdl.py)
-        tl.extra.cuda.gdc_wait()
-    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    qi = rows // G
-    head = kv_head * G + rows % G
-    row_ok = qi < q_len
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    q_ptrs = q_ptr + (q0 + qi)[:, None] * stride_qn + head[:, None] * stride_qh
-    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    anc = tl.load(anc_ptr + q0 + qi, mask=row_ok, other=0)  # [BLOCK_M] int64
-
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile stays nan-free
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n_first = start
-    if PEEL:
-        if full_end > start:
-            m_i, l_i, acc = attend_tile_full(q, k0, v0, m_i, l_i, acc, qk_scale, DOT_IEEE)
-        n_first = start + BLOCK_N
-    for n0 in range(n_first, full_end, BLOCK_N):
+    for n0 in range(start, full_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         k, v = _load_kv_full(
             k_ptr, v_ptr, page, t, kv_head,
@@ -225,19 +208,6 @@ def _paged_attn_kernel(
         tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], o, mask=o_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
-
-
-def _attn_pdl(device) -> dict:
-    """EXPERIMENT (SPLITFLASH_ATTN_PDL): 0 off; 1 PDL launch, wait first; 2 PDL launch, the
-    prologue and the first K/V tile before the wait; 3 the first tile peeled, no PDL."""
-    import os
-
-    mode = int(os.environ.get("SPLITFLASH_ATTN_PDL", "0"))
-    pdl = mode in (1, 2) and pdl_enabled(device)
-    meta = {"GDC_WAIT": pdl, "PEEL": mode in (2, 3)}
-    if pdl:
-        meta["launch_pdl"] = True
-    return meta
 
 
 @lru_cache(maxsize=8)
@@ -311,7 +281,6 @@ def paged_attention_triton(
         BLOCK_D=max(16, next_pow2(head_dim)), DIRECT_OUT=direct, UPCAST=upcast,
         DOT_IEEE=upcast, SPLIT_ALIGN=SPLIT_ALIGN,
         TRIGGER=not direct and pdl_enabled(q.device),
-        **_attn_pdl(q.device),
     )  # fmt: skip
     # Row tile fastest (see module docstring): programs sharing a key range run together.
     grid = (n_splits * lp.m_tiles, n_req, n_kv_heads)

@@ -16,8 +16,6 @@ of the token are loaded once per program and every program moves the same bytes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -96,12 +94,8 @@ def _rope_kv_kernel(
     stride_kpp, stride_kps, stride_kph, stride_vpp, stride_vps, stride_vph,
     H: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_GDC: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
 ):  # fmt: skip
-    if EARLY_TRIGGER:
-        gdc_sync(USE_GDC)  # q, k, v come from the qkv projection just before (kernels/pdl.py)
-    elif USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    gdc_sync(USE_GDC)  # q, k, v come from the qkv projection just before (kernels/pdl.py)
     n = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF], one rotate-half pair per lane
@@ -185,6 +179,5 @@ def rope_kv_write_triton(
         # Per program: G + 2 heads of Dh elements (~2.5 KiB at G=4, Dh=128 in bf16); more
         # warps would idle. A memory-bound pass: unmeasured, no autotuning.
         num_warps=4 if group * half >= 512 else 2, **pdl_launch(q.device),
-        EARLY_TRIGGER=os.environ.get("SPLITFLASH_ROPE_TRIGGER", "early") == "early",
     )  # fmt: skip
     return q_out
