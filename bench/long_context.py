@@ -6,11 +6,22 @@ runs the same question on our stack: the engines built as the services build the
 `load_engine`, CUDA graphs on CUDA; draft: `build_dflash_drafter`, KV pool and graphs on
 CUDA), one greedy request at each context, target-only and with DFlash (window as the
 checkpoint says, and optionally `off`: the incident's failure mode). Every DFlash output
-must equal the target-only one token for token (lossless; the bench exits non-zero if not).
+is compared with the target-only one token for token (see below).
 
-Decode tok/s = tokens committed / seconds over the steps after the first --warm-steps (graph
-captures, autotuning); prefill (the prompt forward and the drafter's prompt features) is
-reported apart. The context is a synthetic document of numbered records (the default model
+Each way runs twice per context: the first run is a warm-up (it captures the CUDA graphs
+of its shapes and autotunes the kernels: ~1 s per new graph), the second is timed. Decode
+tok/s = tokens committed / seconds over the timed run's steps after the first --warm-steps;
+prefill (the prompt forward and the drafter's prompt features) is reported apart, and so
+are graph captures that still happened in the timed run.
+
+On CUDA in bf16, a verify block of q tokens and a single-token decode step round
+differently (other split plans and tile shapes), so greedy speculative output can leave
+target-only output where the target's top two logits are within that rounding. A
+divergence is therefore diagnosed, not just flagged: the target scores the common prefix
+in one fresh forward, and the gap between its logits for the two tokens is reported. A gap
+above --tie-tolerance is lossy (exit 1); CPU tests check exact equality in fp32.
+
+The context is a synthetic document of numbered records (the default model
 has no long-context corpus here) and a question after it; past the model's 8k training
 positions its text degrades, the same for every way compared.
 
@@ -48,6 +59,38 @@ def decode_rate(gen, warm_steps: int) -> tuple[float, int]:
     return (sum(n for _, n in timed) / seconds if seconds > 0 else 0.0), len(timed)
 
 
+def _captures(engine, drafter) -> int:
+    """CUDA graphs captured so far by the verify engine and the drafter (0 on CPU)."""
+    n = engine.graphs.captures if engine.graphs is not None else 0
+    graphs = getattr(drafter, "graphs", None)
+    return n + (graphs.captures if graphs is not None else 0)
+
+
+def diagnose(engine, prompt: list[int], ref: list[int], out: list[int]) -> dict:
+    """Where `out` leaves `ref` (target-only), and the target's logit gap there: logit of
+    ref's token minus logit of out's token, from one fresh forward over the common prefix."""
+    import torch
+
+    n = min(len(ref), len(out))
+    i = next((j for j, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b), n)
+    if i >= n:
+        return dict(position=i, note="one output is a prefix of the other (length differs)")
+    ids = prompt + ref[:i]
+    rid = "divergence-probe"
+    engine.cache.add(rid)
+    try:
+        engine.cache.reserve(rid, len(ids))
+        with torch.inference_mode():
+            rows = torch.tensor([len(ids) - 1], device=engine.device)
+            logits = engine.model(engine._batch([(rid, ids, 0)]), engine.cache, rows).logits[0]
+        top2 = logits.topk(2).values.tolist()
+        gap = float(logits[ref[i]] - logits[out[i]])
+    finally:
+        engine.cache.free(rid)
+    return dict(position=i, target_token=ref[i], spec_token=out[i], logit_gap=gap,
+                top2=top2)  # fmt: skip
+
+
 def run(args) -> list[dict]:
     import torch
 
@@ -75,21 +118,29 @@ def run(args) -> list[dict]:
         ways = {"target-only": None} | {f"dflash ({w})": d for w, d in drafters.items()}
         ref = None
         for name, drafter in ways.items():
-            gen = generate_local(engine, drafter, prompt, args.max_tokens,
-                                 block_size=args.block_size)  # fmt: skip
-            if ref is None:
-                ref = gen.token_ids
-            elif gen.token_ids != ref:
-                raise SystemExit(f"{name} at {ctx} differs from target-only decoding (lossy)")
+            for _ in range(2):  # the first run warms up: graph captures, autotuning
+                before = _captures(engine, drafter)
+                gen = generate_local(engine, drafter, prompt, args.max_tokens,
+                                     block_size=args.block_size)  # fmt: skip
+            captures = _captures(engine, drafter) - before
             rate, timed = decode_rate(gen, args.warm_steps)
+            step_ms = sorted(s * 1e3 for s, _ in gen.steps[args.warm_steps :]) or [0.0]
             row = dict(context=ctx, way=name, tokens=len(gen.token_ids), decode_tok_s=rate,
                        steps_timed=timed, prefill_s=gen.prefill_seconds,
                        mean_commit_len=gen.stats.mean_commit_len,
-                       violations=gen.violations)  # fmt: skip
+                       step_ms_median=step_ms[len(step_ms) // 2], step_ms_max=step_ms[-1],
+                       timed_captures=captures, violations=gen.violations)  # fmt: skip
+            if ref is None:
+                ref = gen.token_ids
+            elif gen.token_ids != ref:
+                row["divergence"] = diagnose(engine, prompt, ref, gen.token_ids)
             rows.append(row)
-            print(f"ctx {ctx:>7}  {name:<18} decode {rate:8.1f} tok/s over {timed:3d} steps, "
-                  f"commit_len {row['mean_commit_len']:.2f}, prefill {row['prefill_s']:.2f} s",
-                  flush=True)  # fmt: skip
+            print(f"ctx {ctx:>7}  {name:<18} decode {rate:8.1f} tok/s over {timed:3d} steps "
+                  f"(median {row['step_ms_median']:.2f} ms, max {row['step_ms_max']:.2f}, "
+                  f"{captures} captures), commit_len {row['mean_commit_len']:.2f}, "
+                  f"prefill {row['prefill_s']:.2f} s", flush=True)  # fmt: skip
+            if "divergence" in row:
+                print(f"    differs from target-only: {row['divergence']}", flush=True)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
@@ -108,12 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--warm-steps", type=int, default=3)
+    p.add_argument("--tie-tolerance", type=float, default=0.25,
+                   help="largest target logit gap at a divergence taken as bf16 rounding")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
     rows = run(args)
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
-    return 1 if any(r["violations"] for r in rows) else 0
+    lossy = [r for r in rows if r.get("divergence", {}).get("logit_gap", 0.0) > args.tie_tolerance
+             or r.get("divergence", {}).get("note")]  # fmt: skip
+    for r in lossy:
+        print(f"LOSSY: {r['way']} at {r['context']}: {r['divergence']}")
+    return 1 if lossy or any(r["violations"] for r in rows) else 0
 
 
 if __name__ == "__main__":
