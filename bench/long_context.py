@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 QUESTION = "\n\nNow write a short story about a lighthouse keeper and the sea.\n"
@@ -64,6 +65,30 @@ def _captures(engine, drafter) -> int:
     n = engine.graphs.captures if engine.graphs is not None else 0
     graphs = getattr(drafter, "graphs", None)
     return n + (graphs.captures if graphs is not None else 0)
+
+
+class PhaseTimer:
+    """Wall ms of every call of obj.<method> (the device synchronized before and after, so
+    GPU time lands in the phase that queued it): where a decode step's time goes."""
+
+    def __init__(self, obj, method: str, sync) -> None:
+        self.ms: list[float] = []
+        inner = getattr(obj, method)
+
+        def timed(*a, **kw):
+            sync()
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                sync()
+                self.ms.append((time.perf_counter() - t) * 1e3)
+
+        setattr(obj, method, timed)
+
+    def median(self) -> float:
+        ms = sorted(self.ms)
+        return ms[len(ms) // 2] if ms else 0.0
 
 
 def diagnose(engine, prompt: list[int], ref: list[int], out: list[int]) -> dict:
@@ -112,6 +137,9 @@ def run(args) -> list[dict]:
         for w in args.windows
     }  # fmt: skip
     engine.feature_layer_ids = next(iter(drafters.values())).target_layer_ids
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    verify_ms = PhaseTimer(engine, "verify", sync)
+    propose_ms = {w: PhaseTimer(d, "propose", sync) for w, d in drafters.items()}
     rows = []
     for ctx in args.contexts:
         prompt = build_prompt(tokenizer, ctx)
@@ -119,6 +147,8 @@ def run(args) -> list[dict]:
         ref = None
         for name, drafter in ways.items():
             for _ in range(2):  # the first run warms up: graph captures, autotuning
+                for timer in (verify_ms, *propose_ms.values()):
+                    timer.ms.clear()
                 before = _captures(engine, drafter)
                 gen = generate_local(engine, drafter, prompt, args.max_tokens,
                                      block_size=args.block_size)  # fmt: skip
@@ -129,7 +159,9 @@ def run(args) -> list[dict]:
                        steps_timed=timed, prefill_s=gen.prefill_seconds,
                        mean_commit_len=gen.stats.mean_commit_len,
                        step_ms_median=step_ms[len(step_ms) // 2], step_ms_max=step_ms[-1],
-                       timed_captures=captures, violations=gen.violations)  # fmt: skip
+                       timed_captures=captures, verify_ms_median=verify_ms.median(),
+                       propose_ms_median=sum(t.median() for t in propose_ms.values()),
+                       violations=gen.violations)  # fmt: skip
             if ref is None:
                 ref = gen.token_ids
             elif gen.token_ids != ref:
@@ -137,7 +169,8 @@ def run(args) -> list[dict]:
             rows.append(row)
             print(f"ctx {ctx:>7}  {name:<18} decode {rate:8.1f} tok/s over {timed:3d} steps "
                   f"(median {row['step_ms_median']:.2f} ms, max {row['step_ms_max']:.2f}, "
-                  f"{captures} captures), commit_len {row['mean_commit_len']:.2f}, "
+                  f"{captures} captures; verify {row['verify_ms_median']:.2f} ms, propose "
+                  f"{row['propose_ms_median']:.2f} ms), commit_len {row['mean_commit_len']:.2f}, "
                   f"prefill {row['prefill_s']:.2f} s", flush=True)  # fmt: skip
             if "divergence" in row:
                 print(f"    differs from target-only: {row['divergence']}", flush=True)
