@@ -74,20 +74,24 @@ def causal_attention_torch(
     """
     out = torch.empty_like(q)
     group = q.shape[1] // k_pages.shape[2]
+    # 4-D [1, H, T, D]: torch's fused SDPA kernels (flash, memory-efficient) take 4-D inputs
+    # only; given 3-D it falls back to the math kernel, which materialises the [T, T] score
+    # matrix per head (measured on the H200: a 32k prompt took 5.4 s, a 185k one asked for
+    # 127.5 GiB and ran out of memory).
     for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens_list, strict=True)):
         lo = int(meta.cu_q[b])
-        qb = q[lo : lo + q_len].transpose(0, 1)  # [H, T, D]
+        qb = q[lo : lo + q_len].transpose(0, 1)[None]  # [1, H, T, D]
         k = _gather(k_pages, meta.page_table[b], kv_len).transpose(0, 1)  # [H_KV, L, D]
         v = _gather(v_pages, meta.page_table[b], kv_len).transpose(0, 1)
-        k = k.repeat_interleave(group, 0).to(q.dtype)
-        v = v.repeat_interleave(group, 0).to(q.dtype)
+        k = k.repeat_interleave(group, 0).to(q.dtype)[None]  # [1, H, L, D]
+        v = v.repeat_interleave(group, 0).to(q.dtype)[None]
         if kv_len == q_len:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale)
         else:
             mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
             mask[:, kv_len - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
-        out[lo : lo + q_len] = o.transpose(0, 1)
+        out[lo : lo + q_len] = o[0].transpose(0, 1)
     return out
 
 
