@@ -5,14 +5,18 @@
 #   call 4: carry [".model/a"],         bash bench/gpu_s16f.sh a
 #   call 5: carry [".model/b"],         bash bench/gpu_s16f.sh b
 #   call 6: carry [".whl", ".model/c"], bash bench/gpu_s16f.sh c
+# (call 9, after the prefill fix: LC_TIMEOUT=230 LC_CONTEXTS="1400 185000 32768")
 mkdir -p "$HOME/m" && cp ".model/$1"/* "$HOME/m/" || exit 1
 [ "$1" != c ] && exit 0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 cat "$HOME"/m/part-* > "$HOME/m/model.gguf" && sha256sum "$HOME/m/model.gguf"
-TRITON_PRINT_AUTOTUNING=1 timeout 420 python3 -m bench.long_context --device cuda \
-  --target "$HOME/m/model.gguf" --contexts 1400 32768 185000 --windows checkpoint off \
+TRITON_PRINT_AUTOTUNING=1 timeout ${LC_TIMEOUT:-420} python3 -m bench.long_context --device cuda \
+  --target "$HOME/m/model.gguf" --contexts ${LC_CONTEXTS:-1400 32768 185000} \
+  --windows checkpoint off \
   --max-tokens 128 --json-out "$OUT/long_context_h200.json" > "$OUT/long_context.log" 2>&1
 echo "rc $?"; grep -c "Autotuning kernel" "$OUT/long_context.log"
 grep -E "^ctx|differs|LOSSY|Error|error" "$OUT/long_context.log" | tail -30
+timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_prefill_attention.py \
+  2>&1 | tail -2
