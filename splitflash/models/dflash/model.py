@@ -148,14 +148,15 @@ class DFlashDrafter(nn.Module):
         """
         self.append_contexts([(state, features, start_pos)])
 
-    @torch.no_grad()
-    def append_contexts(self, items: Sequence[tuple[DFlashState, torch.Tensor, int]]) -> None:
-        """append_context for several (state, features [n_i, K*D], start_pos) at once: fc,
-        hidden_norm, RoPE and each layer's K/V projection run once over all their rows
-        (~10 kernels per layer instead of per request), only the cache writes per item. A
-        state may appear more than once, its items in position order. Every item is checked
-        before any is written."""
-        held: dict[int, int] = {}  # id(state) -> context held after the items so far
+    def check_appends(
+        self,
+        items: Sequence[tuple[DFlashState, torch.Tensor, int]],
+        held: dict[int, int] | None = None,
+    ) -> dict[int, int]:
+        """Validate appends (state, features [n, K*D], start_pos) without writing: each must
+        start where its state's context (plus its earlier items) ends. Returns id(state) ->
+        context held after them; `held` seeds it (appends already planned)."""
+        held = dict(held or {})
         for state, features, start_pos in items:
             self._check_state(state)
             expected = held.get(id(state), state.n_ctx)
@@ -166,6 +167,27 @@ class DFlashDrafter(nn.Module):
                 )
             self.check_features(features)
             held[id(state)] = start_pos + features.shape[0]
+        return held
+
+    def context_kv(
+        self, features: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context rows features [n, K*D] at positions [n] (both on the weights' device) ->
+        each layer's (k, v) [n, H_KV, hd]: fc -> hidden_norm -> the layer's W_K / W_V (+ k_norm,
+        RoPE at the absolute position). No host sync: the draft graphs capture it."""
+        w = self.fc.weight
+        ctx = self.hidden_norm(self.fc(features.to(dtype=w.dtype)))  # [n, D]
+        cos, sin = self._rope(positions)
+        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    @torch.no_grad()
+    def append_contexts(self, items: Sequence[tuple[DFlashState, torch.Tensor, int]]) -> None:
+        """append_context for several (state, features [n_i, K*D], start_pos) at once: fc,
+        hidden_norm, RoPE and each layer's K/V projection run once over all their rows
+        (~10 kernels per layer instead of per request), only the cache writes per item. A
+        state may appear more than once, its items in position order. Every item is checked
+        before any is written."""
+        self.check_appends(items)
         items = [item for item in items if item[1].shape[0] > 0]
         if not items:
             return
@@ -173,12 +195,9 @@ class DFlashDrafter(nn.Module):
         rows = [f for _, f, _ in items]
         if len({f.device for f in rows}) > 1:  # e.g. some on the host (zmq frames), some not
             rows = [f.to(w.device) for f in rows]
-        feats = torch.cat(rows).to(device=w.device, dtype=w.dtype)  # one host->device copy
-        ctx = self.hidden_norm(self.fc(feats))  # [sum n_i, D]
+        feats = torch.cat(rows).to(device=w.device)  # one host->device copy
         positions = torch.cat([torch.arange(s, s + f.shape[0]) for _, f, s in items])
-        cos, sin = self._rope(positions.to(w.device))
-        for li, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(ctx, cos, sin)  # [sum n_i, H_KV, hd]
+        for li, (k, v) in enumerate(self.context_kv(feats, positions.to(w.device))):
             lo = 0
             for state, f, start_pos in items:
                 n = f.shape[0]
