@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,9 +28,12 @@ def image_cmd(dockerfile: str) -> list[str]:
 
 
 def start(cmd: list[str], env: dict) -> subprocess.Popen:
+    # The image has `splitflash` on its PATH; here it is the running interpreter's script
+    # directory (the venv's bin), which need not be on the PATH pytest was started with.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return subprocess.Popen(
         cmd,
-        env={**os.environ, **env},
+        env={**os.environ, "PATH": path, **env},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -8,6 +8,11 @@ a `DraftKVPool` (fixed addresses, one attention call per layer), the whole step
 - key = (padded batch N_pad, block length T, context bucket). N real requests fill the first
   rows; padding rows draft a block of MASK tokens at position 0 against the pool's scratch
   slot 0 with an empty context, and their logits are dropped.
+- The step first writes the context rows the last verify step committed (at most R = the
+  drafter's block size per request): `DFlashDrafter.context_kv` over N_pad x R static rows,
+  then one index_copy per layer into the pool. Eager, those ~75 small ops cost ~1.2 ms per
+  step on the H200 (bench/RESULTS.md, context_append), several times the graph's replay.
+  Rows a request did not commit, and padding requests' rows, go to scratch slot 0.
 - The context bucket (next power of two of the longest context, capped at the pool's rows)
   fixes the attention kernel's split plan; a longer context moves to the next bucket.
 - Requests not all in the pool, more requests than the largest graph, or a custom attention
@@ -27,11 +32,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from splitflash.kernels.tuning import kv_bucket
 from splitflash.models.dflash.cache import DFlashState
+from splitflash.models.dflash.graph_inputs import StepInputs, append_rows, pack, views, words
 from splitflash.models.dflash.pool import DraftKVPool
 from splitflash.models.graphs import DEFAULT_BATCH_SIZES
 
@@ -41,38 +46,15 @@ log = logging.getLogger("splitflash.graphs")
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: capture=False, run the static step eagerly
-    buf: torch.Tensor  # int32 words, the four inputs below packed (_pack): one copy per step
+    buf: torch.Tensor  # int32 words, the inputs below packed (_pack): one copy per step
     ids: torch.Tensor  # [N_pad, T] long: anchor + MASK tokens (a view of buf)
     pos: torch.Tensor  # [N_pad, T] long: absolute positions (a view of buf)
+    app_pos: torch.Tensor  # [N_pad * R] long: positions of the context rows to write
+    app_dest: torch.Tensor  # [L, N_pad * R] long: their flat pool row per layer
     slots: torch.Tensor  # [N_pad] int32: pool slot per row (0 = scratch for padding)
-    n_ctx: torch.Tensor  # [N_pad] int32: context tokens per row
+    n_ctx: torch.Tensor  # [N_pad] int32: context tokens per row, the new rows included
+    app_feats: torch.Tensor  # [N_pad * R, K*D] the context rows' target features
     out: torch.Tensor | None  # [N_pad, T-1, V] logits of the last replay
-
-
-def _pack(ids, pos, slots, n_ctx, n_pad: int, mask_id: int, pin: bool) -> torch.Tensor:
-    """A step's inputs in one host int32 buffer, so loading it is one (asynchronous, when
-    pinned) copy instead of four pageable ones and four padding fills (the verify step's
-    version: models/step_inputs.py). Layout in int32 words, the int64 parts first:
-        ids [N_pad, T] i64 | pos [N_pad, T] i64 | slots [N_pad] | n_ctx [N_pad]
-    Rows past the N real ones are padding: [MASK x T] at positions 0..T-1, scratch slot 0,
-    no context."""
-    n, t = ids.shape
-    buf = torch.empty(4 * n_pad * t + 2 * n_pad, dtype=torch.int32, pin_memory=pin)
-    words = buf.numpy()
-    i64 = words[: 4 * n_pad * t].view(np.int64).reshape(2, n_pad, t)
-    i64[0, :n], i64[1, :n] = ids.numpy(), pos.numpy()
-    i64[0, n:], i64[1, n:] = mask_id, np.arange(t)
-    small = words[4 * n_pad * t :].reshape(2, n_pad)
-    small[0, :n], small[1, :n] = slots, n_ctx
-    small[:, n:] = 0
-    return buf
-
-
-def _views(buf: torch.Tensor, n_pad: int, t: int) -> tuple[torch.Tensor, ...]:
-    """(ids, pos, slots, n_ctx) as views of a buffer laid out by _pack (on any device)."""
-    ids, pos = buf[: 4 * n_pad * t].view(torch.int64).view(2, n_pad, t)
-    slots, n_ctx = buf[4 * n_pad * t :].view(2, n_pad)
-    return ids, pos, slots, n_ctx
 
 
 class DraftGraphs:
@@ -119,65 +101,102 @@ class DraftGraphs:
         anchor_token_ids: Sequence[int],
         anchor_positions: Sequence[int],
         block_size: int | None = None,
+        appends: Sequence[tuple[torch.Tensor, int] | None] | None = None,
     ) -> torch.Tensor | None:
         """Logits [N, T-1, V] of one draft step from a graph (draft_batch's contract), or None
-        when no graph fits it: the caller then runs draft_batch eagerly."""
+        when no graph fits it: the caller then writes the appends and runs draft_batch
+        eagerly (nothing was written). appends[i] = (features [n_i, K*D], start_pos) of
+        state i's context rows not yet in its cache (n_i <= the block size), or None; the
+        graph writes them before drafting, and the anchors follow them."""
         drafter = self.drafter
-        t = drafter.check_batch(states, anchor_token_ids, anchor_positions, block_size)
+        appends = list(appends) if appends is not None else [None] * len(states)
+        if len(appends) != len(states):
+            raise ValueError("draft graphs: one append (or None) per state")
+        counts = [0 if a is None else int(a[0].shape[0]) for a in appends]
+        starts = [s.n_ctx if a is None else int(a[1]) for s, a in zip(states, appends, strict=True)]
+        items = [(s, a[0], a[1]) for s, a in zip(states, appends, strict=True) if a is not None]
+        drafter.check_appends(items)
+        n_ctx = [s.n_ctx + n for s, n in zip(states, counts, strict=True)]
+        t = drafter.check_batch(states, anchor_token_ids, anchor_positions, block_size, n_ctx)
         slots = self.pool.slots_of(states)
         if self.failed or slots is None or not drafter.poolable:
             return None
-        n_ctx = [s.n_ctx for s in states]
         key = self.key_for(len(states), t, n_ctx)
         if key is None:
             return None
+        rows = drafter.config.block_size
+        planned = append_rows(self.pool, slots, starts, counts, key[0], rows)
+        if planned is None:
+            return None
         ids, pos = drafter.block_inputs(anchor_token_ids, anchor_positions, t)
+        feats = [a[0] for a in appends if a is not None]
+        step = StepInputs(
+            ids, pos, slots, n_ctx, *planned,
+            app_rows=torch.cat([torch.arange(i * rows, i * rows + n)
+                                for i, n in enumerate(counts) if n]) if feats else None,
+            app_feats=torch.cat([f.to(self.device) for f in feats]) if feats else None,
+        )  # fmt: skip
         entry = self._graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(key, ids, pos, slots, n_ctx)
+                entry = self._capture(key, step)
             except Exception:  # a draft must never fail because a graph could not be made
                 log.exception("draft CUDA graph capture failed: drafting runs eagerly from now on")
                 self.failed = True
                 return None
         else:
             self._graphs.move_to_end(key)
-            self._load(entry, ids, pos, slots, n_ctx)
+            self._load(entry, step)
         if entry.graph is None:
             entry.out = self._forward(entry, key[2])
         else:
             entry.graph.replay()
         self.replays += 1
         for state, n in zip(states, n_ctx, strict=True):
+            state.n_ctx = n  # the rows are in the pool now
             state.keys_read_last = self.pool.keys_read(n)
         return entry.out[: len(states)].clone()
 
     def _forward(self, entry: _Captured, bucket: int) -> torch.Tensor:
-        attend = self.drafter.pooled_attention(self.pool, entry.slots, entry.n_ctx, bucket)
+        """The captured step: the context rows into the pool, then the block."""
+        drafter, pool = self.drafter, self.pool
+        kv = drafter.context_kv(entry.app_feats, entry.app_pos)
+        for li, (k, v) in enumerate(kv):  # k, v [N_pad * R, H_KV, hd]
+            pool.k[li].view(-1, *k.shape[1:]).index_copy_(0, entry.app_dest[li], k)
+            pool.v[li].view(-1, *v.shape[1:]).index_copy_(0, entry.app_dest[li], v)
+        attend = drafter.pooled_attention(pool, entry.slots, entry.n_ctx, bucket)
         if attend is None:
             raise ValueError("draft graphs need the torch or Triton attention backend")
-        return self.drafter.forward_block(entry.ids, entry.pos, attend)
+        return drafter.forward_block(entry.ids, entry.pos, attend)
 
-    def _load(self, entry: _Captured, ids, pos, slots, n_ctx) -> None:
-        """Copy a step into the static buffers in one copy; padding rows on the scratch slot.
-        From pinned memory the copy is asynchronous; the caching host allocator keeps the
-        pinned block from reuse until it has run."""
+    def _load(self, entry: _Captured, step: StepInputs) -> None:
+        """Copy a step into the static buffers: the ints in one copy (asynchronous from
+        pinned memory; the caching host allocator keeps the block from reuse until it has
+        run), the context rows' features into their static rows."""
         cuda = self.device.type == "cuda"
-        mask_id = self.drafter.config.mask_token_id
-        host = _pack(ids, pos, slots, n_ctx, entry.ids.shape[0], mask_id, pin=cuda)
+        n_pad, rows = entry.ids.shape[0], self.drafter.config.block_size
+        host = pack(step, n_pad, rows, self.drafter.config.mask_token_id, pin=cuda)
         entry.buf.copy_(host, non_blocking=cuda)
+        if step.app_feats is not None:
+            dest = step.app_rows.to(self.device, non_blocking=cuda)
+            entry.app_feats.index_copy_(0, dest, step.app_feats.to(entry.app_feats.dtype))
 
-    def _capture(self, key, ids, pos, slots, n_ctx) -> _Captured:
+    def _capture(self, key, step: StepInputs) -> _Captured:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
         n_pad, t, bucket = key
-        dev = self.device
-        buf = torch.empty(4 * n_pad * t + 2 * n_pad, dtype=torch.int32, device=dev)
-        entry = _Captured(None, buf, *_views(buf, n_pad, t), out=None)
-        self._load(entry, ids, pos, slots, n_ctx)
+        dev, cfg = self.device, self.drafter.config
+        rows, n_layers = cfg.block_size, len(self.pool.k)
+        n64, n32 = words(n_pad, t, rows, n_layers)
+        buf = torch.zeros(2 * n64 + n32, dtype=torch.int32, device=dev)
+        feats = torch.zeros(n_pad * rows, cfg.feature_dim, dtype=self.drafter.fc.weight.dtype,
+                            device=dev)  # fmt: skip
+        entry = _Captured(None, buf, *views(buf, n_pad, t, rows, n_layers), feats, out=None)
+        self._load(entry, step)
         if self.capture:
             # Warm-up outside the capture (compiles, autotunes), on a side stream as capture
-            # requires. Drafting only reads the pool: replaying it twice changes nothing.
+            # requires. Besides reading the pool, a step writes the same context rows each
+            # time: replaying it twice changes nothing.
             stream = torch.cuda.Stream(dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):

@@ -223,8 +223,11 @@ class DFlashDrafter(nn.Module):
         anchor_token_ids: Sequence[int],
         anchor_positions: Sequence[int],
         block_size: int | None = None,
+        held: Sequence[int] | None = None,
     ) -> int:
-        """Validate one draft call (desync, vocab, duplicates); returns the block length T."""
+        """Validate one draft call (desync, vocab, duplicates); returns the block length T.
+        held: the context each state will hold when the block runs (default its n_ctx; the
+        draft graphs write a step's context rows first)."""
         cfg = self.config
         t = cfg.block_size if block_size is None else block_size
         if not 2 <= t <= cfg.block_size:
@@ -232,12 +235,15 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"block_size must be in [2, {cfg.block_size}], got {t}")
         if not (len(states) == len(anchor_token_ids) == len(anchor_positions)) or not states:
             raise ValueError("draft_batch needs one anchor token and position per state (N >= 1)")
-        for state, tok, pos in zip(states, anchor_token_ids, anchor_positions, strict=True):
+        if held is None:
+            held = [s.n_ctx for s in states]
+        for state, tok, pos, n in zip(states, anchor_token_ids, anchor_positions, held,
+                                      strict=True):  # fmt: skip
             self._check_state(state)
-            if pos != state.n_ctx:
+            if pos != n:
                 raise DFlashDesyncError(
                     f"draft desync: anchor at position {pos} but the drafter holds "
-                    f"{state.n_ctx} context tokens (the anchor must follow the context)"
+                    f"{n} context tokens (the anchor must follow the context)"
                 )
             if not 0 <= int(tok) < cfg.vocab_size:
                 raise ValueError(f"anchor token {tok} outside the vocab [0, {cfg.vocab_size})")

@@ -128,14 +128,17 @@ class DFlashProposer:
         self.drafter.check_features(features)
         st.pending.append((start_pos, features))
 
-    def _flush(self) -> None:
-        """Write every pending feature row into the caches, in passes of <= FLUSH_ROWS rows
-        (a long prompt's features are not all projected at once). On failure the failed
-        pass's requests lose their pending rows: their next features are then refused as a
-        gap (start_pos past the context held), so they stop drafting, visibly."""
+    def _flush(self, keep: frozenset[str] = frozenset()) -> None:
+        """Write every pending feature row into the caches, except those of the requests in
+        `keep` (a draft graph writes them), in passes of <= FLUSH_ROWS rows (a long prompt's
+        features are not all projected at once). On failure the failed pass's requests lose
+        their pending rows: their next features are then refused as a gap (start_pos past
+        the context held), so they stop drafting, visibly."""
         part: list[tuple[DFlashState, torch.Tensor, int]] = []
         rows = 0
-        for st in self.requests.values():
+        for rid, st in self.requests.items():
+            if rid in keep:
+                continue
             pending, st.pending = st.pending, []
             for start, f in pending:
                 if part and rows + f.shape[0] > FLUSH_ROWS:
@@ -145,6 +148,19 @@ class DFlashProposer:
                 rows += f.shape[0]
         if part:
             self.drafter.append_contexts(part)
+
+    def _graph_appends(self, request_ids: Sequence[str]) -> frozenset[str]:
+        """The requests whose pending rows the draft graph can write itself: pooled, at most
+        a block of rows (a verify step's commit; a prompt's rows go the eager way)."""
+        if self.graphs is None or self.graphs.failed:
+            return frozenset()
+        limit = self.drafter.config.block_size
+        states = {r: self._get(r) for r in request_ids}
+        return frozenset(
+            r for r, st in states.items()
+            if st.cache.pooled_slot() is not None
+            and 0 < sum(f.shape[0] for _, f in st.pending) <= limit
+        )  # fmt: skip
 
     def release(self, request_id: str) -> None:
         st = self.requests.pop(request_id, None)  # idempotent
@@ -160,10 +176,10 @@ class DFlashProposer:
         if not st.tokens:
             raise ValueError(f"DFlash drafter: request {request_id!r} has no tokens")
         anchor_pos = len(st.tokens) - 1
-        if st.cache.n_ctx != anchor_pos:
+        if st.held != anchor_pos:
             raise DFlashDesyncError(
                 f"DFlash drafter out of step for {request_id!r}: holds features of "
-                f"{st.cache.n_ctx} tokens but {len(st.tokens)} are committed (expected "
+                f"{st.held} tokens but {len(st.tokens)} are committed (expected "
                 f"{anchor_pos}: every committed token but the anchor)"
             )
         return st, st.tokens[-1], anchor_pos
@@ -177,13 +193,22 @@ class DFlashProposer:
         k = min(int(k), self.max_drafts)
         if k <= 0 or not request_ids:
             return [[] for _ in request_ids]
-        self._flush()
+        deferred = self._graph_appends(request_ids)
+        self._flush(keep=deferred)
         picked = [self._anchor(r) for r in request_ids]
         args = ([p[0].cache for p in picked], [p[1] for p in picked], [p[2] for p in picked])
-        logits = None if self.graphs is None else self.graphs.run(*args, block_size=k + 1)
+        logits = None
+        if self.graphs is not None:
+            appends = [_joined(self.requests[r].pending) if r in deferred else None
+                       for r in request_ids]  # fmt: skip
+            logits = self.graphs.run(*args, block_size=k + 1, appends=appends)
         self.forwards["eager" if logits is None else "graph"] += 1
         if logits is None:
+            self._flush()  # the graph wrote nothing: the rows go in eagerly
             logits = self.drafter.draft_batch(*args, block_size=k + 1, pool=self.pool)
+        else:
+            for r in deferred:
+                self.requests[r].pending = []  # the graph wrote them
         for p in picked:
             for kind, layer_reads in zip(
                 p[0].cache.layer_kinds, p[0].cache.keys_read_last, strict=True
@@ -289,3 +314,11 @@ def build_dflash_drafter(
         pool_context=pool_context or tcfg.max_position_embeddings,
         cuda_graphs=cuda_graphs,
     )  # fmt: skip
+
+
+def _joined(pending: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+    """A request's pending feature chunks (contiguous, checked on arrival) as one
+    (features [n, K*D], start_pos)."""
+    if len(pending) == 1:
+        return pending[0][1], pending[0][0]
+    return torch.cat([f.to(pending[0][1].device) for _, f in pending]), pending[0][0]

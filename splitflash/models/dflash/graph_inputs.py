@@ -1,0 +1,96 @@
+"""The host side of a graphed draft step (graphs.py): what a step writes and reads, planned
+on the host and packed into one int32 buffer so that loading it is one copy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from splitflash.models.dflash.pool import DraftKVPool
+
+
+@dataclass
+class StepInputs:
+    """One graphed step on the host: the block and the context rows written before it."""
+
+    ids: torch.Tensor  # [N, T] long
+    pos: torch.Tensor  # [N, T] long
+    slots: list[int]  # [N]
+    n_ctx: list[int]  # [N] context held once the rows are written
+    app_pos: np.ndarray  # [N_pad * R] int64, padding rows at position 0
+    app_dest: np.ndarray  # [L, N_pad * R] int64, padding rows on scratch slot 0
+    app_rows: torch.Tensor | None  # [sum n_i] int64: static rows of the features (None: none)
+    app_feats: torch.Tensor | None  # [sum n_i, K*D] the rows' features, request by request
+
+
+def words(n_pad: int, t: int, rows: int, n_layers: int) -> tuple[int, int]:
+    """(int64 words, int32 words) of a step's packed inputs."""
+    return 2 * n_pad * t + (1 + n_layers) * n_pad * rows, 2 * n_pad
+
+
+def pack(step: StepInputs, n_pad: int, rows: int, mask_id: int, pin: bool) -> torch.Tensor:
+    """A step's inputs in one host int32 buffer, so loading it is one (asynchronous, when
+    pinned) copy instead of several pageable ones and padding fills (the verify step's
+    version: models/step_inputs.py). Layout in int32 words, the int64 parts first:
+        ids [N_pad, T] | pos [N_pad, T] | app_pos [N_pad*R] | app_dest [L, N_pad*R] (i64)
+        slots [N_pad] | n_ctx [N_pad] (i32)
+    Rows past the N real ones are padding: [MASK x T] at positions 0..T-1, scratch slot 0,
+    no context."""
+    n, t = step.ids.shape
+    n_layers = step.app_dest.shape[0]
+    n64, n32 = words(n_pad, t, rows, n_layers)
+    buf = torch.empty(2 * n64 + n32, dtype=torch.int32, pin_memory=pin)
+    w32 = buf.numpy()
+    i64 = w32[: 2 * n64].view(np.int64)
+    blocks = i64[: 2 * n_pad * t].reshape(2, n_pad, t)
+    blocks[0, :n], blocks[1, :n] = step.ids.numpy(), step.pos.numpy()
+    blocks[0, n:], blocks[1, n:] = mask_id, np.arange(t)
+    i64[2 * n_pad * t :] = np.concatenate([step.app_pos[None], step.app_dest]).ravel()
+    small = w32[2 * n64 :].reshape(2, n_pad)
+    small[0, :n], small[1, :n] = step.slots, step.n_ctx
+    small[:, n:] = 0
+    return buf
+
+
+def views(buf: torch.Tensor, n_pad: int, t: int, rows: int, n_layers: int):
+    """(ids, pos, app_pos, app_dest, slots, n_ctx) as views of a buffer laid out by _pack."""
+    n64, _ = words(n_pad, t, rows, n_layers)
+    i64 = buf[: 2 * n64].view(torch.int64)
+    ids, pos = i64[: 2 * n_pad * t].view(2, n_pad, t)
+    app = i64[2 * n_pad * t :].view(1 + n_layers, n_pad * rows)
+    slots, n_ctx = buf[2 * n64 :].view(2, n_pad)
+    return ids, pos, app[0], app[1:], slots, n_ctx
+
+
+def append_rows(
+    pool: DraftKVPool, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+    n_pad: int, rows: int,
+) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+    """(app_pos [N_pad * R], app_dest [L, N_pad * R]) int64 for request i writing counts[i]
+    context rows from position starts[i] into pool slot slots[i]; R = rows per request.
+    dest = slot * cap_l + (pos % W on a sliding layer, pos on a full one), as LayerKV writes
+    them. Unused rows write to scratch slot 0 (never read: padding attends to an empty
+    context). None when a write would not be the eager one: more than R rows, a
+    sliding layer given more rows than its ring (they would collide), or a full layer's
+    rows past the pool's capacity (the eager write moves that layer out of the pool)."""
+    caps = [k.shape[1] for k in pool.k]
+    app_pos = np.zeros(n_pad * rows, dtype=np.int64)
+    app_dest = np.zeros((len(caps), n_pad * rows), dtype=np.int64)
+    for li, cap in enumerate(caps):  # distinct scratch rows where the slot has enough
+        app_dest[li] = np.arange(n_pad * rows) % cap
+    for i, (slot, start, n) in enumerate(zip(slots, starts, counts, strict=True)):
+        if n > rows:
+            return None
+        if n == 0:
+            continue
+        pos = np.arange(start, start + n, dtype=np.int64)
+        app_pos[i * rows : i * rows + n] = pos
+        for li, (cap, win) in enumerate(zip(caps, pool.windows, strict=True)):
+            if (win is not None and n > win) or (win is None and start + n > cap):
+                return None
+            row = pos % win if win is not None else pos
+            app_dest[li, i * rows : i * rows + n] = slot * cap + row
+    return app_pos, app_dest

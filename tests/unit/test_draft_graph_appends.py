@@ -1,0 +1,119 @@
+"""The draft graph writes a step's context rows itself (graphs.py, graph_inputs.py): a
+proposer with graphs must draft exactly what the eager proposer drafts and leave the same
+caches, step after step (ring wrap-around, uneven commits, a prompt's rows, a full layer
+outgrowing the pool), and the rows it writes must not go through the eager append. On CPU
+the graphs run their static step without capture (capture=False)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from splitflash.models.dflash.graph_inputs import append_rows
+from splitflash.models.dflash.graphs import DraftGraphs
+from splitflash.models.dflash.pool import DraftKVPool
+from splitflash.services.draft.dflash_drafter import DFlashProposer
+from tests.unit.test_dflash_support import feats, make
+
+W, R = 8, 6  # cfg_dict: layers 0, 1 sliding at W = 8, layer 2 full; block size 6
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _count_eager_rows(drafter) -> list[int]:
+    """Rows written by DFlashDrafter.append_contexts, call by call."""
+    calls: list[int] = []
+    inner = drafter.append_contexts
+
+    def counted(items):
+        calls.append(sum(f.shape[0] for _, f, _ in items))
+        return inner(items)
+
+    drafter.append_contexts = counted
+    return calls
+
+
+def _run(prop, prompts, commits, k=5):
+    """Open every request, then per step: propose for all, commit commits[step][i] tokens
+    of request i (their features next); returns every step's drafts."""
+    drafts, tokens = [], {}
+    for i, (rid, ids) in enumerate(prompts.items()):
+        prop.open(rid, ids)
+        prop.add_features(rid, 0, feats(len(ids) - 1, seed=10 + i))
+        tokens[rid] = list(ids)
+    rids = list(prompts)
+    for step, counts in enumerate(commits):
+        drafts.append(prop.propose_batch(rids, k))
+        for i, (rid, c) in enumerate(zip(rids, counts, strict=True)):
+            new = [(7 * step + 3 * i + j) % 50 + 1 for j in range(c)]
+            held = prop.context_len(rid)
+            tokens[rid] += new
+            prop.extend(rid, new, len(tokens[rid]))
+            prop.add_features(rid, held, feats(c, seed=100 * step + i))  # rows held .. +c-1
+    drafts.append(prop.propose_batch(rids, k))
+    return drafts
+
+
+def _same_rows(graphed, plain, pool, rids) -> None:
+    """Each request's rows in its pool slot equal the eager proposer's cache rows."""
+    for rid in rids:
+        st, ref = graphed.requests[rid].cache, plain.requests[rid].cache
+        assert st.n_ctx == ref.n_ctx and not graphed.requests[rid].pending
+        for li, win in enumerate((W, W, None)):
+            if st.layers[li].pool_slot is None:  # moved out of the pool: its own buffer
+                k, v = st.layers[li].k, st.layers[li].v
+            else:
+                k, v = pool.k[li][st.pool_slot], pool.v[li][st.pool_slot]
+            pos = torch.arange(max(0, st.n_ctx - (win or st.n_ctx)), st.n_ctx)
+            idx = pos % win if win else pos
+            torch.testing.assert_close(k[idx], ref.layers[li].k[idx], **TOL)
+            torch.testing.assert_close(v[idx], ref.layers[li].v[idx], **TOL)
+
+
+def _proposers(pool_context: int):
+    plain_d, graph_d = make(), make()
+    pool = DraftKVPool(graph_d, slots=4, context=pool_context)
+    graphed = DFlashProposer(graph_d, pool, DraftGraphs(graph_d, pool, capture=False))
+    return DFlashProposer(plain_d), graphed, pool, _count_eager_rows(graph_d)
+
+
+def test_graph_written_rows_draft_and_cache_what_eager_does():
+    prompts = {"a": list(range(1, 12)), "b": list(range(20, 25)), "c": [3, 4]}
+    commits = [[1, 6, 3], [6, 1, 2], [4, 4, 6], [2, 5, 1], [6, 6, 6]]  # past W: rings wrap
+    plain, graphed, pool, eager_rows = _proposers(pool_context=64)
+    assert _run(graphed, prompts, commits) == _run(plain, prompts, commits)
+    assert graphed.pop_forwards() == {"graph": len(commits) + 1, "eager": 0}
+    assert eager_rows == [10]  # only a's prompt rows (> R); b's 4 and c's 1 were graphed
+    _same_rows(graphed, plain, pool, prompts)
+    assert [graphed.requests[r].cache.pool_slot for r in prompts] == [1, 2, 3]
+
+
+def test_a_full_layer_outgrowing_the_pool_falls_back_to_eager_writes():
+    prompts = {"a": list(range(1, 12)), "b": [5, 6, 7]}
+    commits = [[3, 2], [6, 6]]  # a: 10 + 3 + 6 rows > the pool's 16
+    plain, graphed, pool, eager_rows = _proposers(pool_context=16)
+    assert _run(graphed, prompts, commits) == _run(plain, prompts, commits)
+    # a's prompt (10 rows > R) went eager; the last step could not be graphed (a's rows
+    # would pass the pool's 16): its rows and b's went eager, and so did the draft.
+    assert eager_rows == [10, 6 + 6]
+    assert graphed.pop_forwards() == {"graph": 2, "eager": 1}
+    assert graphed.requests["a"].cache.layers[2].pool_slot is None
+    _same_rows(graphed, plain, pool, prompts)
+
+
+def test_append_rows_destinations():
+    drafter = make()
+    pool = DraftKVPool(drafter, slots=3, context=40)
+    # Request 0 in slot 2 writes positions 13..15, request 1 (slot 1) nothing; N_pad 3, R 4.
+    app_pos, app_dest = append_rows(pool, [2, 1], [13, 9], [3, 0], n_pad=3, rows=4)
+    assert app_pos.tolist() == [13, 14, 15, 0] + [0] * 8
+    pos = np.array([13, 14, 15])
+    for li, cap in enumerate((W, W, 40)):
+        want = 2 * cap + (pos % W if cap == W else pos)
+        assert app_dest[li, :3].tolist() == want.tolist()
+        unused = np.delete(app_dest[li], [0, 1, 2])
+        assert (unused < cap).all()  # scratch slot 0 only
+    assert len(set(app_dest[2, 3:].tolist())) == 9  # distinct scratch rows where they fit
+    assert append_rows(pool, [1], [0], [5], n_pad=1, rows=4) is None  # more than R rows
+    assert append_rows(pool, [1], [38], [3], n_pad=1, rows=4) is None  # past the pool
+    small_w = DraftKVPool(make(), slots=1, context=40)
+    assert append_rows(small_w, [1], [0], [W + 1], n_pad=1, rows=W + 2) is None  # ring collides
