@@ -192,15 +192,24 @@ SERVICES = [
     panel("Verify forwards by mode",
           "graph = a replayed CUDA graph; eager = kernels launched one by one (CPU, mixed "
           "block lengths, batches past the largest graph, or graphs off/failed). A GPU "
-          "deployment should be nearly all graph; capture_failed = 1 means it fell back.",
+          "deployment should be nearly all graph; capture_failed = 1 means it fell back. "
+          "captures = CUDA graphs captured while serving, capture s/s = the share of time "
+          "those stalls took; steady traffic should stop adding them.",
           (rate("splitflash_verify_forwards_total", "mode"), "{{mode}}"),
-          ("max(splitflash_verify_graph_capture_failed)", "capture_failed"), unit="ops"),
+          ("max(splitflash_verify_graph_capture_failed)", "capture_failed"),
+          ("sum(rate(splitflash_verify_graph_captures_total[5m]))", "captures"),
+          ("sum(rate(splitflash_verify_graph_capture_seconds_total[5m]))", "capture s/s"),
+          unit="ops"),
     panel("Draft forwards by mode",
           "DFlash only. graph = a replayed CUDA graph over the draft KV pool; eager = kernels "
           "launched one by one (CPU, requests outside the pool, batches past the largest "
-          "graph, or graphs off/failed). capture_failed = 1 means it fell back.",
+          "graph, or graphs off/failed). capture_failed = 1 means it fell back. captures, "
+          "capture s/s: graphs captured while serving and the share of time they stalled.",
           (rate("splitflash_draft_forwards_total", "mode"), "{{mode}}"),
-          ("max(splitflash_draft_graph_capture_failed)", "capture_failed"), unit="ops"),
+          ("max(splitflash_draft_graph_capture_failed)", "capture_failed"),
+          ("sum(rate(splitflash_draft_graph_captures_total[5m]))", "captures"),
+          ("sum(rate(splitflash_draft_graph_capture_seconds_total[5m]))", "capture s/s"),
+          unit="ops"),
     panel("Targets up", "", ('up{job=~"splitflash-.*"}', "{{job}} {{instance}}"), max=1),
 ]  # fmt: skip
 

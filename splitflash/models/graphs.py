@@ -22,6 +22,7 @@ the static buffers before returning, so a later replay never overwrites what a c
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -39,6 +40,29 @@ log = logging.getLogger("splitflash.graphs")
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
+class CaptureStats:
+    """Captures made while serving and the seconds they took: each stalls the step that
+    needed it (warm-up forwards, autotuning, capture). Services export the deltas."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+        self.capture_seconds = 0.0
+        self._popped = (0, 0.0)
+
+    def timed_capture(self, capture, *args):
+        t0 = time.perf_counter()
+        try:
+            return capture(*args)
+        finally:
+            self.capture_seconds += time.perf_counter() - t0
+
+    def pop_capture_stats(self) -> tuple[int, float]:
+        """(captures, seconds) since the last call."""
+        n, sec = self.captures - self._popped[0], self.capture_seconds - self._popped[1]
+        self._popped = (self.captures, self.capture_seconds)
+        return n, sec
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: capture=False, run the static step eagerly
@@ -47,7 +71,7 @@ class _Captured:
     out: ForwardOutput  # static outputs: logits [N_pad, V], hidden [N_pad, F] or None
 
 
-class VerifyGraphs:
+class VerifyGraphs(CaptureStats):
     """Replays TargetModel.forward from CUDA graphs for uniform blocks (see module doc)."""
 
     def __init__(
@@ -79,7 +103,7 @@ class VerifyGraphs:
         self.capture = capture
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
-        self.captures = 0
+        super().__init__()
         self.failed = False  # a capture raised once: eager from then on (logged)
 
     def key_for(self, q_lens: list[int], kv_lens: list[int]) -> tuple[int, int, int] | None:
@@ -102,7 +126,7 @@ class VerifyGraphs:
         entry = self._graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(key, step)
+                entry = self.timed_capture(self._capture, key, step)
             except Exception:  # a step must never fail because a graph could not be made
                 log.exception("CUDA graph capture failed: verify steps run eagerly from now on")
                 self.failed = True

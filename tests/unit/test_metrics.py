@@ -202,3 +202,27 @@ def test_attention_policy_info_and_mismatch() -> None:
     assert reg.get_sample_value(PREFIX + "draft_sliding_keys_bound") == 0
     text = generate_latest(reg).decode()
     assert 'layer="0",source="override",window="none"' in text
+
+
+def test_verify_exports_graph_captures_as_deltas() -> None:
+    from splitflash.models.graphs import CaptureStats
+    from splitflash.services.verify.metrics_server import build_verify_metrics
+
+    vm = build_verify_metrics()
+    graphs = CaptureStats()
+    graphs.failed = False
+    graphs.captures, graphs.capture_seconds = 2, 1.5  # two captures before the first export
+
+    def value(name: str, **labels) -> float:
+        return vm.registry.get_sample_value(f"splitflash_{name}", labels or None)
+
+    vm.count_forward("graph", graphs)
+    vm.count_forward("graph", graphs)  # nothing new: nothing added
+    graphs.captures, graphs.capture_seconds, graphs.failed = 3, 2.0, True
+    vm.count_forward("eager", graphs)
+    assert value("verify_graph_captures_total") == 3
+    assert value("verify_graph_capture_seconds_total") == pytest.approx(2.0)
+    assert value("verify_forwards_total", mode="graph") == 2
+    assert value("verify_graph_capture_failed") == 1
+    vm.count_forward("eager", None)  # CPU: no graphs at all
+    assert value("verify_graph_capture_failed") == 0

@@ -68,6 +68,8 @@ def test_padded_steps_equal_eager_steps_on_cpu():
     assert padded.graphs.replays == len(blocks)
     # One static step per (B_pad, Q, KV bucket, layers): Q in {4, 1, 6}, all under 256 keys.
     assert padded.graphs.captures == 3
+    n, seconds = padded.graphs.pop_capture_stats()  # what the verify service exports
+    assert n == 3 and seconds > 0 and padded.graphs.pop_capture_stats() == (0, 0.0)
     # Padding wrote only scratch pages: the pool's accounting and every request's KV agree.
     assert padded.cache.used_pages == eager.cache.used_pages
     for rid in eager.seqs:

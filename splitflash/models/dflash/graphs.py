@@ -38,7 +38,7 @@ from splitflash.kernels.tuning import kv_bucket
 from splitflash.models.dflash.cache import DFlashState
 from splitflash.models.dflash.graph_inputs import StepInputs, append_rows, pack, views, words
 from splitflash.models.dflash.pool import DraftKVPool
-from splitflash.models.graphs import DEFAULT_BATCH_SIZES
+from splitflash.models.graphs import DEFAULT_BATCH_SIZES, CaptureStats
 
 log = logging.getLogger("splitflash.graphs")
 
@@ -57,7 +57,7 @@ class _Captured:
     out: torch.Tensor | None  # [N_pad, T-1, V] logits of the last replay
 
 
-class DraftGraphs:
+class DraftGraphs(CaptureStats):
     """Replays DFlashDrafter.forward_block from CUDA graphs for pooled requests."""
 
     def __init__(
@@ -84,7 +84,7 @@ class DraftGraphs:
         self._graphs: OrderedDict[tuple[int, int, int], _Captured] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
-        self.captures = 0
+        super().__init__()
         self.failed = False  # a capture raised once: eager from then on (logged)
 
     def key_for(self, n: int, t: int, n_ctx: Sequence[int]) -> tuple[int, int, int] | None:
@@ -139,7 +139,7 @@ class DraftGraphs:
         entry = self._graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(key, step)
+                entry = self.timed_capture(self._capture, key, step)
             except Exception:  # a draft must never fail because a graph could not be made
                 log.exception("draft CUDA graph capture failed: drafting runs eagerly from now on")
                 self.failed = True

@@ -171,6 +171,15 @@ METRICS = MappingProxyType(
             "gauge", "1 once a draft CUDA graph capture failed: the drafter then runs every "
             "step eagerly (the error is in the draft log)."
         ),
+        "draft_graph_captures": _d(
+            "counter", "CUDA graphs the drafter captured while serving (a new batch size, "
+            "block length or context bucket). Each stalls its step (warm-up forwards, "
+            "autotuning, capture); steady traffic should stop adding them."
+        ),
+        "draft_graph_capture_seconds": _d(
+            "counter", "Seconds draft steps spent capturing CUDA graphs (the stalls counted "
+            "by draft_graph_captures)."
+        ),
         "draft_attention_policy": _d(
             "info", "Attention policy in force per drafter layer: kind (sliding/full), window "
             "(tokens; 'none' when full), source (checkpoint/override).", ("layer", _LAZY),
@@ -195,6 +204,15 @@ METRICS = MappingProxyType(
         "verify_graph_capture_failed": _d(
             "gauge", "1 once a CUDA graph capture failed: verify then runs every step eagerly "
             "(the error is in the verify log)."
+        ),
+        "verify_graph_captures": _d(
+            "counter", "CUDA graphs verify captured while serving (a new padded batch, block "
+            "length or KV bucket). Each stalls its step (warm-up forwards, autotuning, "
+            "capture); steady traffic should stop adding them."
+        ),
+        "verify_graph_capture_seconds": _d(
+            "counter", "Seconds verify steps spent capturing CUDA graphs (the stalls counted "
+            "by verify_graph_captures)."
         ),
         "kv_pages_used": _d("gauge", "KV cache pages in use."),
         "kv_pages_total": _d("gauge", "KV cache pages allocated."),

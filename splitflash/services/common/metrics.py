@@ -147,6 +147,8 @@ class DraftMetrics:
     draft_kv_keys_read: Counter
     draft_forwards: Counter
     draft_graph_capture_failed: Gauge
+    draft_graph_captures: Counter
+    draft_graph_capture_seconds: Counter
     draft_attention_policy: Info
     draft_attention_policy_mismatch: Gauge
     draft_sliding_keys_bound: Gauge
@@ -184,6 +186,8 @@ class VerifyMetrics:
     verify_kv_bytes_read: Counter
     verify_forwards: Counter
     verify_graph_capture_failed: Gauge
+    verify_graph_captures: Counter
+    verify_graph_capture_seconds: Counter
     kv_pages_used: Gauge
     kv_pages_total: Gauge
     common: ServiceMetrics

@@ -237,6 +237,10 @@ class DFlashProposer:
         out, self.forwards = self.forwards, {"graph": 0, "eager": 0}
         return out
 
+    def pop_capture_stats(self) -> tuple[int, float]:
+        """(draft graphs captured, seconds it took) since the last call."""
+        return (0, 0.0) if self.graphs is None else self.graphs.pop_capture_stats()
+
     @property
     def graph_capture_failed(self) -> bool:
         return self.graphs is not None and self.graphs.failed

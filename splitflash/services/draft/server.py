@@ -263,6 +263,9 @@ class DraftServer:
         for mode, n in pop().items():
             self.metrics.draft_forwards.labels(mode=mode).inc(n)
         self.metrics.draft_graph_capture_failed.set(int(self.drafter.graph_capture_failed))
+        n, seconds = self.drafter.pop_capture_stats()
+        self.metrics.draft_graph_captures.inc(n)
+        self.metrics.draft_graph_capture_seconds.inc(seconds)
 
     def _features(self, msg: Features, frames) -> FeaturesAck:
         rid = msg.request_id

@@ -49,9 +49,15 @@ class VerifyServerMetrics:
         self.bundle.kv_pages_used.set(used)
         self.bundle.kv_pages_total.set(total)
 
-    def count_forward(self, mode: str, capture_failed: bool) -> None:
+    def count_forward(self, mode: str, graphs) -> None:
+        """One verify forward ("graph" | "eager"); graphs: the engine's VerifyGraphs or None
+        (its failure flag and the captures made since the last call)."""
         self.bundle.verify_forwards.labels(mode=mode).inc()
-        self.bundle.verify_graph_capture_failed.set(int(capture_failed))
+        self.bundle.verify_graph_capture_failed.set(int(graphs is not None and graphs.failed))
+        if graphs is not None:
+            n, seconds = graphs.pop_capture_stats()
+            self.bundle.verify_graph_captures.inc(n)
+            self.bundle.verify_graph_capture_seconds.inc(seconds)
 
     def add_kv_bytes(self, longest_context: int, n_bytes: int) -> None:
         self.bundle.verify_kv_bytes_read.labels(context_bucket=context_bucket(longest_context)).inc(
