@@ -56,7 +56,7 @@ def pack(step: StepInputs, n_pad: int, rows: int, mask_id: int, pin: bool) -> to
 
 
 def views(buf: torch.Tensor, n_pad: int, t: int, rows: int, n_layers: int):
-    """(ids, pos, app_pos, app_dest, slots, n_ctx) as views of a buffer laid out by _pack."""
+    """(ids, pos, app_pos, app_dest, slots, n_ctx) as views of a buffer laid out by pack."""
     n64, _ = words(n_pad, t, rows, n_layers)
     i64 = buf[: 2 * n64].view(torch.int64)
     ids, pos = i64[: 2 * n_pad * t].view(2, n_pad, t)

@@ -46,7 +46,7 @@ log = logging.getLogger("splitflash.graphs")
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: capture=False, run the static step eagerly
-    buf: torch.Tensor  # int32 words, the inputs below packed (_pack): one copy per step
+    buf: torch.Tensor  # int32 words, the inputs below packed (graph_inputs.pack): one copy
     ids: torch.Tensor  # [N_pad, T] long: anchor + MASK tokens (a view of buf)
     pos: torch.Tensor  # [N_pad, T] long: absolute positions (a view of buf)
     app_pos: torch.Tensor  # [N_pad * R] long: positions of the context rows to write

@@ -148,15 +148,10 @@ class DFlashDrafter(nn.Module):
         """
         self.append_contexts([(state, features, start_pos)])
 
-    def check_appends(
-        self,
-        items: Sequence[tuple[DFlashState, torch.Tensor, int]],
-        held: dict[int, int] | None = None,
-    ) -> dict[int, int]:
+    def check_appends(self, items: Sequence[tuple[DFlashState, torch.Tensor, int]]) -> None:
         """Validate appends (state, features [n, K*D], start_pos) without writing: each must
-        start where its state's context (plus its earlier items) ends. Returns id(state) ->
-        context held after them; `held` seeds it (appends already planned)."""
-        held = dict(held or {})
+        start where its state's context (plus its earlier items) ends."""
+        held: dict[int, int] = {}  # id(state) -> context held after the items so far
         for state, features, start_pos in items:
             self._check_state(state)
             expected = held.get(id(state), state.n_ctx)
@@ -167,7 +162,6 @@ class DFlashDrafter(nn.Module):
                 )
             self.check_features(features)
             held[id(state)] = start_pos + features.shape[0]
-        return held
 
     def context_kv(
         self, features: torch.Tensor, positions: torch.Tensor
