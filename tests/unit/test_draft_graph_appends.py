@@ -7,13 +7,15 @@ the graphs run their static step without capture (capture=False)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from splitflash.models.dflash.graph_inputs import append_rows
 from splitflash.models.dflash.graphs import DraftGraphs
 from splitflash.models.dflash.pool import DraftKVPool
 from splitflash.services.draft.dflash_drafter import DFlashProposer
-from tests.unit.test_dflash_support import feats, make
+from tests.unit.kernel_env import CUDA, INTERPRET
+from tests.unit.test_dflash_support import feats, make, shared
 
 W, R = 8, 6  # cfg_dict: layers 0, 1 sliding at W = 8, layer 2 full; block size 6
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -117,3 +119,27 @@ def test_append_rows_destinations():
     assert append_rows(pool, [1], [38], [3], n_pad=1, rows=4) is None  # past the pool
     small_w = DraftKVPool(make(), slots=1, context=40)
     assert append_rows(small_w, [1], [0], [W + 1], n_pad=1, rows=W + 2) is None  # ring collides
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU, TRITON_INTERPRET unset")
+def test_captured_graph_writes_rows_and_drafts_what_eager_does():
+    """The same oracle with real CUDA graphs: the appends are captured inside the step."""
+
+    def on_gpu():
+        drafter = make().cuda()
+        emb, head = shared(0)
+        drafter.attach_shared(torch.nn.Embedding.from_pretrained(emb.weight.cuda()), head.cuda())
+        return drafter
+
+    plain_d, graph_d = on_gpu(), on_gpu()
+    pool = DraftKVPool(graph_d, slots=4, context=64)
+    graphs = DraftGraphs(graph_d, pool, batch_sizes=(1, 4))
+    graphed, plain = DFlashProposer(graph_d, pool, graphs), DFlashProposer(plain_d)
+    prompts = {"a": list(range(1, 12)), "b": list(range(20, 25)), "c": [3, 4]}
+    commits = [[1, 6, 3], [6, 1, 2], [4, 4, 6], [2, 5, 1], [6, 6, 6]]
+    assert _run(graphed, prompts, commits) == _run(plain, prompts, commits)
+    assert graphs.captures == 1 and not graphs.failed
+    assert next(iter(graphs._graphs.values())).graph is not None
+    _same_rows(graphed, plain, pool, prompts)
+
