@@ -36,7 +36,8 @@ def _count_eager_rows(drafter) -> list[int]:
 
 def _run(prop, prompts, commits, k=5):
     """Open every request, then per step: propose for all, commit commits[step][i] tokens
-    of request i (their features next); returns every step's drafts."""
+    of request i (their features next, request 0's in two chunks); returns every step's
+    drafts."""
     drafts, tokens = [], {}
     for i, (rid, ids) in enumerate(prompts.items()):
         prop.open(rid, ids)
@@ -50,7 +51,11 @@ def _run(prop, prompts, commits, k=5):
             held = prop.context_len(rid)
             tokens[rid] += new
             prop.extend(rid, new, len(tokens[rid]))
-            prop.add_features(rid, held, feats(c, seed=100 * step + i))  # rows held .. +c-1
+            rows = feats(c, seed=100 * step + i)  # positions held .. held + c - 1
+            cut = c // 2 if i == 0 else 0  # request 0's rows arrive in two messages
+            if cut:
+                prop.add_features(rid, held, rows[:cut])
+            prop.add_features(rid, held + cut, rows[cut:])
     drafts.append(prop.propose_batch(rids, k))
     return drafts
 
