@@ -37,6 +37,7 @@ import torch
 from splitflash.kernels.tuning import kv_bucket
 from splitflash.models.dflash.cache import DFlashState
 from splitflash.models.dflash.graph_inputs import StepInputs, append_rows, pack, views, words
+from splitflash.models.dflash.model import joined_rows
 from splitflash.models.dflash.pool import DraftKVPool
 from splitflash.models.graphs import DEFAULT_BATCH_SIZES, CaptureStats
 
@@ -134,7 +135,7 @@ class DraftGraphs(CaptureStats):
             ids, pos, slots, n_ctx, *planned,
             app_rows=torch.cat([torch.arange(i * rows, i * rows + n)
                                 for i, n in enumerate(counts) if n]) if feats else None,
-            app_feats=torch.cat([f.to(self.device) for f in feats]) if feats else None,
+            app_feats=joined_rows(feats, self.device) if feats else None,
         )  # fmt: skip
         entry = self._graphs.get(key)
         if entry is None:

@@ -186,10 +186,7 @@ class DFlashDrafter(nn.Module):
         if not items:
             return
         w = self.fc.weight
-        rows = [f for _, f, _ in items]
-        if len({f.device for f in rows}) > 1:  # e.g. some on the host (zmq frames), some not
-            rows = [f.to(w.device) for f in rows]
-        feats = torch.cat(rows).to(device=w.device)  # one host->device copy
+        feats = joined_rows([f for _, f, _ in items], w.device)
         positions = torch.cat([torch.arange(s, s + f.shape[0]) for _, f, s in items])
         for li, (k, v) in enumerate(self.context_kv(feats, positions.to(w.device))):
             lo = 0
@@ -345,3 +342,11 @@ class DFlashDrafter(nn.Module):
         for state, r in zip(states, reads, strict=True):
             state.keys_read_last = r
         return logits
+
+
+def joined_rows(feats: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Feature rows [sum n_i, K*D] on `device`, joined where they are (one host->device copy
+    when they came as frames); moved one by one only when they sit on different devices."""
+    if len({f.device for f in feats}) > 1:
+        feats = [f.to(device) for f in feats]
+    return torch.cat(list(feats)).to(device)
