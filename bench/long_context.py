@@ -8,8 +8,9 @@ CUDA), one greedy request at each context, target-only and with DFlash (window a
 checkpoint says, and optionally `off`: the incident's failure mode). Every DFlash output
 is compared with the target-only one token for token (see below).
 
-Each way runs twice per context: the first run is a warm-up (it captures the CUDA graphs
-of its shapes and autotunes the kernels: ~1 s per new graph), the second is timed. Decode
+On CUDA each way runs twice per context: the first run is a warm-up (it captures the CUDA
+graphs of its shapes and autotunes the kernels: ~1 s per new graph), the second is timed
+(on CPU there is nothing to warm up: one run). Decode
 tok/s = tokens committed / seconds over the timed run's steps after the first --warm-steps;
 prefill (the prompt forward and the drafter's prompt features) is reported apart, and so
 are graph captures that still happened in the timed run.
@@ -137,7 +138,8 @@ def run(args) -> list[dict]:
         for w in args.windows
     }  # fmt: skip
     engine.feature_layer_ids = next(iter(drafters.values())).target_layer_ids
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     verify_ms = PhaseTimer(engine, "verify", sync)
     propose_ms = {w: PhaseTimer(d, "propose", sync) for w, d in drafters.items()}
     rows = []
@@ -146,7 +148,7 @@ def run(args) -> list[dict]:
         ways = {"target-only": None} | {f"dflash ({w})": d for w, d in drafters.items()}
         ref = None
         for name, drafter in ways.items():
-            for _ in range(2):  # the first run warms up: graph captures, autotuning
+            for _ in range(2 if cuda else 1):  # a first run warms up: graphs, autotuning
                 for timer in (verify_ms, *propose_ms.values()):
                     timer.ms.clear()
                 before = _captures(engine, drafter)
