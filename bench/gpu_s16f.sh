@@ -5,7 +5,12 @@
 #   call 4: carry [".model/a"],         bash bench/gpu_s16f.sh a
 #   call 5: carry [".model/b"],         bash bench/gpu_s16f.sh b
 #   call 6: carry [".whl", ".model/c"], bash bench/gpu_s16f.sh c
-# (call 9, after the prefill fix: LC_TIMEOUT=230 LC_CONTEXTS="1400 185000 32768")
+# Host side first (/.model/ in .git/info/exclude):
+#   f=~/.cache/splitflash/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+#   mkdir -p .model/a .model/b .model/c && split -n 3 -d -a 1 "$f" .model/part- &&
+#   mv .model/part-0 .model/a/ && mv .model/part-1 .model/b/ && mv .model/part-2 .model/c/
+# The run in bench/RESULTS.md (after the prefill fix): call c with
+#   LC_TIMEOUT=270 LC_CONTEXTS="1400 185000 32768"
 mkdir -p "$HOME/m" && cp ".model/$1"/* "$HOME/m/" || exit 1
 [ "$1" != c ] && exit 0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
