@@ -159,7 +159,7 @@ class DFlashProposer:
         return frozenset(
             r for r, st in states.items()
             if st.cache.pooled_slot() is not None
-            and 0 < sum(f.shape[0] for _, f in st.pending) <= limit
+            and 0 < st.held - st.cache.n_ctx <= limit  # the pending rows
         )  # fmt: skip
 
     def release(self, request_id: str) -> None:
