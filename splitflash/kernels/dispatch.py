@@ -44,9 +44,19 @@ def paged_attention(
     cu_q: torch.Tensor,  # [B+1] int32
     anc_bits: torch.Tensor,  # [N] int64
     scale: float,
+    *,
+    invariant: bool = False,  # batch-invariant kernel (paged_attention_invariant.py)
     **triton_kwargs,  # max_kv_len, max_q_len, num_splits: ignored by the reference
 ) -> torch.Tensor:  # [N, H, D]
     triton_ok, reason = use_triton(q)
+    if triton_ok and invariant:
+        from splitflash.kernels.paged_attention_invariant import paged_attention_invariant
+
+        _announce("paged_attention", "triton batch-invariant", reason)
+        return paged_attention_invariant(
+            q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, scale,
+            max_kv_len=triton_kwargs.get("max_kv_len"), max_q_len=triton_kwargs.get("max_q_len"),
+        )  # fmt: skip
     if triton_ok:
         from splitflash.kernels.paged_attention import paged_attention_triton
 

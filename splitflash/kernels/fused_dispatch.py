@@ -75,8 +75,12 @@ def silu_mul(gate_up: torch.Tensor, hidden: int) -> torch.Tensor:
     return silu_mul_ref(gate_up, hidden)
 
 
-def _fused_linear_ok(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
-    """(run the fused small-M linear kernel?, why): Triton's rule, few rows, no autograd."""
+def _fused_linear_ok(
+    x: torch.Tensor, weight: torch.Tensor, any_rows: bool = False
+) -> tuple[bool, str]:
+    """(run the fused small-M linear kernel?, why): Triton's rule, few rows, no autograd.
+    any_rows: however many rows (batch-invariant steps: a row's K loop and tile are then
+    the same whatever M, where cuBLAS picks its kernel, split-K included, by M)."""
     from splitflash.kernels.fused_linear import MAX_K, MAX_M, fits
 
     triton_ok, reason = use_triton(x)
@@ -86,9 +90,9 @@ def _fused_linear_ok(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
         return False, "SPLITFLASH_FUSED_LINEAR=0"
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False, "input needs gradients (the kernel has no backward)"
-    if not fits(x, weight):
+    if not fits(x, weight, any_rows):
         return False, f"not M <= {MAX_M} rows with K <= {MAX_K} (cuBLAS takes it)"
-    return True, reason
+    return True, reason + (", batch-invariant" if any_rows else "")
 
 
 def norm_linear(
@@ -97,10 +101,11 @@ def norm_linear(
     eps: float,
     weight: torch.Tensor,  # [N, K]; SwiGLU: [2I, K] (gate rows, then up rows)
     swiglu_hidden: int | None = None,  # I: return silu(gate) * up
+    any_rows: bool = False,  # the kernel for any M (see _fused_linear_ok)
 ) -> torch.Tensor:  # [M, N] or [M, I]
     """linear(rmsnorm(x) * norm_weight) (then SwiGLU): one kernel for few rows on CUDA,
     otherwise the norm, a cuBLAS / CPU GEMM and the activation, each dispatched itself."""
-    fused, reason = _fused_linear_ok(x, weight)
+    fused, reason = _fused_linear_ok(x, weight, any_rows)
     _announce("norm_linear", "triton fused" if fused else "norm + GEMM", reason)
     if fused:
         from splitflash.kernels.fused_linear import norm_linear_triton
@@ -114,10 +119,11 @@ def linear_residual(
     a: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     residual: torch.Tensor,  # [M, N]
+    any_rows: bool = False,  # the kernel for any M (see _fused_linear_ok)
 ) -> torch.Tensor:  # residual + a @ weight.T
     """The projection back into the residual stream, with the add in the GEMM's epilogue for
     few rows on CUDA."""
-    fused, reason = _fused_linear_ok(a, weight)
+    fused, reason = _fused_linear_ok(a, weight, any_rows)
     _announce("linear_residual", "triton fused" if fused else "GEMM + add", reason)
     if fused:
         from splitflash.kernels.fused_linear import linear_residual_triton

@@ -55,11 +55,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, out_cols: int | None = None) -
         raise ValueError(f"SwiGLU weight must be [2 * {out_cols}, K], got {tuple(weight.shape)}")
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Do these kernels take this product (M <= MAX_M, K <= MAX_K, unit stride along K)?"""
+def fits(x: torch.Tensor, weight: torch.Tensor, any_rows: bool = False) -> bool:
+    """Do these kernels take this product (M <= MAX_M, K <= MAX_K, unit stride along K)?
+    any_rows: any M >= 1 (they are correct for any; MAX_M is where cuBLAS gets faster)."""
     return (
-        x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and x.shape[1] <= MAX_K
-        and x.stride(1) == 1 and weight.stride(1) == 1
+        x.dim() == 2 and x.shape[0] >= 1 and (any_rows or x.shape[0] <= MAX_M)
+        and x.shape[1] <= MAX_K and x.stride(1) == 1 and weight.stride(1) == 1
     )  # fmt: skip
 
 
@@ -255,7 +256,7 @@ def _precision(x: torch.Tensor) -> dict:
 
 
 def norm_linear_triton(
-    x: torch.Tensor,  # [M, K], M <= MAX_M, K <= MAX_K
+    x: torch.Tensor,  # [M, K], K <= MAX_K
     norm_weight: torch.Tensor,  # [K]
     eps: float,
     weight: torch.Tensor,  # [N, K]; SwiGLU: [2I, K]
@@ -264,8 +265,8 @@ def norm_linear_triton(
 ) -> torch.Tensor:  # [M, N] or [M, I], x's dtype
     """Same contract as norm_linear_ref, for inputs that `fits`."""
     _check(x, weight, swiglu_hidden)
-    if not fits(x, weight) or norm_weight.shape != (x.shape[1],):
-        raise ValueError(f"norm_linear_triton takes M <= {MAX_M}, K <= {MAX_K} with unit "
+    if not fits(x, weight, any_rows=True) or norm_weight.shape != (x.shape[1],):
+        raise ValueError(f"norm_linear_triton takes K <= {MAX_K} with unit "
                          f"stride along K; got x {tuple(x.shape)} stride {x.stride()}")  # fmt: skip
     m, k = x.shape
     n = weight.shape[0] if swiglu_hidden is None else swiglu_hidden
@@ -282,7 +283,7 @@ def norm_linear_triton(
 
 
 def linear_residual_triton(
-    a: torch.Tensor,  # [M, K], M <= MAX_M, K <= MAX_K
+    a: torch.Tensor,  # [M, K], K <= MAX_K
     weight: torch.Tensor,  # [N, K]
     residual: torch.Tensor,  # [M, N], a's dtype
     config: LinearConfig | None = None,
@@ -291,8 +292,8 @@ def linear_residual_triton(
     _check(a, weight)
     m, k = a.shape
     n = weight.shape[0]
-    if not fits(a, weight) or residual.shape != (m, n) or residual.stride(1) != 1:
-        raise ValueError(f"linear_residual_triton takes M <= {MAX_M}, K <= {MAX_K}, unit "
+    if not fits(a, weight, any_rows=True) or residual.shape != (m, n) or residual.stride(1) != 1:
+        raise ValueError(f"linear_residual_triton takes K <= {MAX_K}, unit "
                          f"strides and residual [M, N]; got a {tuple(a.shape)}, weight "
                          f"{tuple(weight.shape)}, residual {tuple(residual.shape)}")  # fmt: skip
     out = torch.empty((m, n), device=a.device, dtype=residual.dtype)

@@ -98,11 +98,15 @@ def causal_attention_torch(
 class PagedAttention:
     """The attention backend: Triton kernels on CUDA, the torch references on CPU."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, batch_invariant: bool = False) -> None:
         from splitflash.kernels.dispatch import paged_attention
 
         self._block_attention = paged_attention
+        # Each row's result independent of its launch (q_len, batch): see TargetModel.
+        self.batch_invariant = batch_invariant
         self.name = "triton" if device.type == "cuda" else "torch-reference"
+        if batch_invariant and device.type == "cuda":
+            self.name += " (batch-invariant)"
         log.info("attention backend: %s (device %s)", self.name, device)
 
     def __call__(self, q, k_pages, v_pages, meta: AttentionMeta, scale: float) -> torch.Tensor:
@@ -112,5 +116,5 @@ class PagedAttention:
         kv_bound = meta.kv_bound if meta.kv_bound is not None else max(meta.kv_lens_list)
         return self._block_attention(
             q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q, bits, scale,
-            max_kv_len=kv_bound, max_q_len=max(meta.q_lens),
+            max_kv_len=kv_bound, max_q_len=max(meta.q_lens), invariant=self.batch_invariant,
         )  # fmt: skip

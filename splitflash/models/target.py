@@ -14,10 +14,11 @@ from torch import nn
 from splitflash.kernels.fused_dispatch import (
     linear_residual,
     norm_linear,
+    rms_norm,
     rope_kv_write,
     silu_mul,
 )
-from splitflash.models.attention import AttentionMeta, PagedAttention
+from splitflash.models.attention import MAX_TREE_Q, AttentionMeta, PagedAttention
 from splitflash.models.config import TargetConfig
 from splitflash.models.kv_cache import PagedKVCache
 
@@ -76,7 +77,10 @@ class Attention(nn.Module):
         q = q.view(n, self.cfg.num_heads, self.cfg.head_dim)
         k = k.view(n, self.cfg.num_kv_heads, self.cfg.head_dim)
         v = v.view(n, self.cfg.num_kv_heads, self.cfg.head_dim)
-        if self.cfg.qk_norm:
+        if self.cfg.qk_norm and getattr(backend, "batch_invariant", False):  # see TargetModel
+            eps = self.cfg.rms_norm_eps
+            q, k = rms_norm(q, self.q_norm.weight, eps), rms_norm(k, self.k_norm.weight, eps)
+        elif self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # RoPE on q and k fused with the K/V write into the pages (one kernel on CUDA; on
         # CPU the reference, bit-equal to apply_rope + cache.write).
@@ -133,11 +137,23 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._backend: PagedAttention | None = None
+        # Batch-invariant steps: a row's logits are the same bits whatever the step it is in
+        # (a one-token decode step or a verify block, alone or batched), so greedy
+        # speculative output equals target-only output in bf16 too, not only up to rounding
+        # ties. Every kernel of a paged step then fixes its reduction order by the row alone:
+        # the fused linears at any M (cuBLAS picks kernels by M), the final norm inside the
+        # LM head's kernel, attention cut at absolute key positions
+        # (kernels/paged_attention_invariant.py). Prefill (blocks > MAX_TREE_Q) is unchanged:
+        # a prompt runs once, the same way in either decoding.
+        self.batch_invariant = False
+        self._backend_key: tuple | None = None
 
     @property
     def backend(self) -> PagedAttention:
-        if self._backend is None:
-            self._backend = PagedAttention(self.embed_tokens.weight.device)
+        key = (self.embed_tokens.weight.device, self.batch_invariant)
+        if self._backend is None or self._backend_key != key:
+            self._backend = PagedAttention(key[0], batch_invariant=key[1])
+            self._backend_key = key
         return self._backend
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -172,31 +188,40 @@ class TargetModel(nn.Module):
         cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         captured: dict[int, torch.Tensor] = {}
         eps = self.cfg.rms_norm_eps
+        inv = self.batch_invariant and max(batch.meta.q_lens) <= MAX_TREE_Q  # a paged step
         # Four kernels per layer besides attention on CUDA for a verify block (few rows): each
         # RMSNorm rides in the linear after it, SwiGLU in gate_up's, each residual add in the
         # epilogue of the projection feeding it (kernels/fused_linear.py). Same op sequence,
         # so the same roundings, as x = x + f(norm(x)); on CPU exactly those torch ops.
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = norm_linear(x, layer.input_layernorm.weight, eps, attn.qkv_proj.weight)
+            qkv = norm_linear(x, layer.input_layernorm.weight, eps, attn.qkv_proj.weight,
+                              any_rows=inv)  # fmt: skip
             o = attn.attend(qkv, cos, sin, i, cache, batch.slots, batch.meta, self.backend)
-            x = _add_projection(attn.o_proj, o, x)
+            x = _add_projection(attn.o_proj, o, x, inv)
             act = norm_linear(x, layer.post_attention_layernorm.weight, eps,
-                              mlp.gate_up_proj.weight, swiglu_hidden=mlp.hidden)  # fmt: skip
-            x = _add_projection(mlp.down_proj, act, x)
+                              mlp.gate_up_proj.weight, swiglu_hidden=mlp.hidden,
+                              any_rows=inv)  # fmt: skip
+            x = _add_projection(mlp.down_proj, act, x, inv)
             if i in hidden_layer_ids:
                 captured[i] = x
         rows = x if logits_rows is None else x[logits_rows]
-        logits = self.lm_head(self.norm(rows)).float()
+        if inv:  # the norm's row reduction and the LM head's K loop fixed per row
+            logits = norm_linear(rows, self.norm.weight, eps, self.lm_head.weight,
+                                 any_rows=True).float()  # fmt: skip
+        else:
+            logits = self.lm_head(self.norm(rows)).float()
         hidden = torch.cat([captured[i] for i in hidden_layer_ids], -1) if captured else None
         return ForwardOutput(logits=logits, hidden=hidden)
 
 
-def _add_projection(proj: nn.Module, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _add_projection(
+    proj: nn.Module, a: torch.Tensor, x: torch.Tensor, any_rows: bool = False
+) -> torch.Tensor:
     """x + proj(a); the add fused into the GEMM when proj is a plain bias-free Linear (tensor
     parallelism swaps in a row-parallel module whose all-reduce must run first)."""
     if type(proj) is nn.Linear and proj.bias is None:
-        return linear_residual(a, proj.weight, x)
+        return linear_residual(a, proj.weight, x, any_rows)
     return x + proj(a)
 
 

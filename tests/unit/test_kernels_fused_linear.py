@@ -123,7 +123,9 @@ def test_fits_takes_only_few_rows_and_one_k_tile():
     w = torch.zeros(8, 64)
     assert fits(torch.zeros(MAX_M, 64), w) and fits(torch.zeros(1, 64), w)
     assert not fits(torch.zeros(MAX_M + 1, 64), w)
-    assert not fits(torch.zeros(4, MAX_K + 1), torch.zeros(8, MAX_K + 1))
+    assert fits(torch.zeros(MAX_M + 1, 64), w, any_rows=True)  # batch-invariant steps
+    assert not fits(torch.zeros(0, 64), w, any_rows=True)
+    assert not fits(torch.zeros(4, MAX_K + 1), torch.zeros(8, MAX_K + 1), any_rows=True)
     assert not fits(torch.zeros(4, 128)[:, ::2], w)  # K must have unit stride
 
 
@@ -132,10 +134,15 @@ def test_kernels_refuse_what_does_not_fit():
     from splitflash.kernels.fused_linear import linear_residual_triton, norm_linear_triton
 
     x, norm_w, w, res = make_case(MAX_M + 1, 64, 96, torch.float32)
-    with pytest.raises(ValueError, match=f"M <= {MAX_M}"):
-        norm_linear_triton(x, norm_w, EPS, w)
+    xk = torch.zeros(4, MAX_K + 1, device=x.device)
+    with pytest.raises(ValueError, match=f"K <= {MAX_K}"):
+        norm_linear_triton(xk, torch.ones(MAX_K + 1, device=x.device), EPS, xk)
     with pytest.raises(ValueError, match=r"residual \[M, N\]"):
         linear_residual_triton(x[:4], w, res[:3])
+    # More than MAX_M rows: taken (the dispatch sends them to cuBLAS unless any_rows), and
+    # each row tile computes what the reference does.
+    got = linear_residual_triton(x, w, res)
+    torch.testing.assert_close(got, linear_residual_ref(x, w, res), rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_rule_and_logged_choice(monkeypatch, caplog):

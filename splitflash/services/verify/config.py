@@ -24,6 +24,10 @@ class VerifySettings:
     # up to graph_max_batch (padded up to the next one); bigger or mixed-length steps run eagerly.
     cuda_graphs: bool = True
     graph_max_batch: int = 32
+    # CUDA: every verify/decode row computed the same way whatever step it is in, so greedy
+    # speculative output is target-only output bit for bit in bf16 too (otherwise only up
+    # to near ties of the top two logits). Costs speed: bench/RESULTS.md. See TargetModel.
+    batch_invariant: bool = False
     # Tensor parallelism on this host: the target split over tp_size ranks (this process is
     # rank 0, the others are spawned; "cuda" puts rank r on cuda:r, "cpu" every rank on the
     # CPU; CUDA graphs off). tp_timeout_s bounds one collective: a dead or stuck rank fails
@@ -65,6 +69,9 @@ class VerifySettings:
             raise ValueError("max_context must be >= 0 and metrics_port in 0..65535")
         if self.features_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise ValueError("features_timeout_s and heartbeat_timeout_s must be > 0")
+        if self.batch_invariant and self.tp_size > 1:
+            raise ValueError("batch_invariant is not supported with tp_size > 1 (the "
+                             "all-reduce's order is NCCL's)")  # fmt: skip
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
 

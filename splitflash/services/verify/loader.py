@@ -31,6 +31,10 @@ def load_engine(settings: VerifySettings) -> TargetEngine:
     if settings.tp_size > 1:  # ranks 1.. run in processes of their own; close() ends them
         return load_tp_engine(settings, path)
     model = load_target(path, device=settings.device, dtype=dtype)
+    model.batch_invariant = settings.batch_invariant
+    if settings.batch_invariant:
+        log.info("batch-invariant verify steps%s", "" if settings.device.startswith("cuda")
+                 else " (no effect off CUDA: the CPU path runs the torch references)")  # fmt: skip
     cfg = model.cfg
     graphs_on = settings.cuda_graphs and torch.device(settings.device).type == "cuda"
     cache = PagedKVCache(

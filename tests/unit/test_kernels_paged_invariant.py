@@ -1,0 +1,115 @@
+"""Batch-invariant paged attention (kernels/paged_attention_invariant.py).
+
+Two oracles: the fp64 dense-mask oracle (err <= 2 * err(torch reference) + atol, DESIGN.md
+9), and the kernel against ITSELF: the row of position p must come out with the same bits in
+a 16-token verify block, in a one-token decode step at p, and next to another request, with
+any number of programs along the keys. That equality is what makes greedy speculative
+output bit-identical to target-only output (TargetModel.batch_invariant).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitflash.kernels.paged_attention_invariant import (
+    GRANULE,
+    SMALL_SPAN,
+    granule_count,
+    granule_start,
+    paged_attention_invariant,
+    plan_programs,
+)
+from splitflash.kernels.paged_attention_ref import paged_attention_ref
+from tests.unit.kernel_env import ATOL, DEVICE, needs_gpu, needs_triton
+from tests.unit.test_kernels_paged import CASES, IDS, as_fp64, dense_oracle, make_case
+
+
+def test_granules_tile_the_keys_at_fixed_positions():
+    assert [granule_start(g) for g in (0, 1, 15, 16, 17)] == [0, 256, 3840, 4096, 4096 + GRANULE]
+    lens = (1, 256, 257, SMALL_SPAN, SMALL_SPAN + 1)
+    assert [granule_count(n) for n in lens] == [1, 1, 2, 16, 17]
+    assert granule_count(185_000) == 16 + -(-(185_000 - SMALL_SPAN) // GRANULE)
+    for n in (1, 300, 4096, 4097, 70_000):  # the last granule holds key n - 1
+        g = granule_count(n) - 1
+        assert granule_start(g) < n <= granule_start(g + 1)
+    # Programs along the keys: about 2 per SM overall, at most one per granule.
+    assert plan_programs(181, 3, 132) == 88
+    assert plan_programs(3, 1, 132) == 3 and plan_programs(50, 1000, 132) == 1
+
+
+# fp16 skips the two slowest interpreter cases (~10 s each); fp32 runs every case.
+LIGHT = [c for c in CASES if sum(c[0]) * max(c[1]) < 20_000]
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [(c, torch.float32) for c in CASES] + [(c, torch.float16) for c in LIGHT],
+    ids=[f"{i}-fp32" for i in IDS] + [f"{IDS[CASES.index(c)]}-fp16" for c in LIGHT],
+)
+def test_matches_fp64_oracle(case, dtype):
+    kv_lens, q_lens, heads, kv_heads, dim, page, _ = case
+    c = make_case(kv_lens, q_lens, heads, kv_heads, dim, page, dtype, seed=3)
+    want = dense_oracle(c)
+    got = paged_attention_invariant(**c)
+    assert got.dtype == dtype and got.shape == c["q"].shape
+    low = paged_attention_ref(**c)
+    ref_err = (low.double().cpu() - want).abs().max().item()
+    err = (got.double().cpu() - want).abs().max().item()
+    assert err <= 2 * ref_err + ATOL[dtype], (err, ref_err)
+    torch.testing.assert_close(paged_attention_ref(**as_fp64(c)).cpu(), want)
+
+
+def _pick(case: dict, rows: list[int], req: int, kv_len: int) -> dict:
+    """A launch of request `req`'s rows `rows` (a chain ending at kv_len) on the same pages."""
+    n = len(rows)
+    anc = [(1 << (i + 1)) - 1 for i in range(n)]
+    return dict(case, q=case["q"][rows], page_table=case["page_table"][req : req + 1],
+                kv_lens=torch.tensor([kv_len], dtype=torch.int32, device=DEVICE),
+                cu_q=torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+                anc_bits=torch.tensor(anc, dtype=torch.int64, device=DEVICE))  # fmt: skip
+
+
+def check_rows_invariant(prefix: int, dtype, rows: tuple[int, ...], heads=6, kv_heads=2,
+                         dim=32, page=16):  # fmt: skip
+    """A 16-token chain block after `prefix` keys, launched as one verify block, as decode
+    steps of its `rows`, and as a decode step batched with a longer request: equal bits."""
+    q_len, other = 16, prefix + 700
+    c = make_case([prefix + q_len, other], [q_len, 1], heads, kv_heads, dim, page, dtype,
+                  seed=1, chain=True)  # fmt: skip
+    block = paged_attention_invariant(**_pick(c, list(range(q_len)), 0, prefix + q_len))
+    one_program = paged_attention_invariant(**_pick(c, list(range(q_len)), 0, prefix + q_len),
+                                            programs=1)  # fmt: skip
+    assert torch.equal(block, one_program)
+    for i in rows:
+        step = paged_attention_invariant(**_pick(c, [i], 0, prefix + i + 1))
+        assert torch.equal(step[0], block[i]), f"row {i}: decode step != verify block"
+    # The last row's decode step next to the other request (more keys, so more granules and
+    # more programs in the launch).
+    i = rows[-1]
+    batch = dict(c, q=torch.cat([c["q"][i : i + 1], c["q"][q_len:]]),
+                 kv_lens=torch.tensor([prefix + i + 1, other], dtype=torch.int32,
+                                      device=DEVICE),
+                 cu_q=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+                 anc_bits=torch.ones(2, dtype=torch.int64, device=DEVICE))  # fmt: skip
+    assert torch.equal(paged_attention_invariant(**batch)[0], block[i])
+
+
+@needs_triton
+@pytest.mark.parametrize("prefix", [3, 255, SMALL_SPAN - 1], ids=lambda p: f"prefix{p}")
+def test_a_row_has_the_same_bits_in_any_launch(prefix):
+    """fp32 in the interpreter, row 0 only: the interpreter's tl.dot is numpy's BLAS, whose
+    result for a row depends on where it sits in the tile (a row at 45 of 64 differs from
+    the same row at 0), which no GPU MMA does; the bf16 test below checks every row. Row 0
+    sees `prefix` + 1 keys while the block's launch reads 15 more: past a tile (3), past a
+    granule (255) and past the small granules (SMALL_SPAN - 1), so the two launches differ
+    in tiles, granule count and combine length."""
+    check_rows_invariant(prefix, torch.float32, rows=(0,))
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix", [250, SMALL_SPAN - 7, 40_000, 131_000])
+def test_a_row_has_the_same_bits_in_any_launch_bf16(prefix):
+    check_rows_invariant(prefix, torch.bfloat16, tuple(range(16)), heads=9, kv_heads=3, dim=64)
