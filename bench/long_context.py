@@ -15,18 +15,23 @@ tok/s = tokens committed / seconds over the timed run's steps after the first --
 prefill (the prompt forward and the drafter's prompt features) is reported apart, and so
 are graph captures that still happened in the timed run.
 
-On CUDA in bf16, a verify block of q tokens and a single-token decode step round
-differently (other split plans and tile shapes), so greedy speculative output can leave
-target-only output where the target's top two logits are within that rounding. A
-divergence is therefore diagnosed, not just flagged: the target scores the common prefix
-in one fresh forward, and the gap between its logits for the two tokens is reported. A gap
-above --tie-tolerance is lossy (exit 1); CPU tests check exact equality in fp32.
+On CUDA in bf16 with the fast kernels, a verify block of q tokens and a single-token
+decode step round differently (other split plans and tile shapes), so greedy speculative
+output can leave target-only output where the target's top two logits are within that
+rounding. Such a divergence is diagnosed, not just flagged: the target scores the common
+prefix in one fresh forward, and the gap between its logits for the two tokens is reported.
+With --invariant on, the verify engine runs batch-invariant steps (VerifySettings.
+batch_invariant): every row is computed the same way in any step, so speculative output must
+equal target-only output exactly, and any divergence there is lossy (exit 1), as is a
+fast-kernel divergence whose gap exceeds --tie-tolerance. CPU tests check exact equality in
+fp32.
 
 The context is a synthetic document of numbered records (the default model
 has no long-context corpus here) and a question after it; past the model's 8k training
 positions its text degrades, the same for every way compared.
 
-    python -m bench.long_context --device cuda --contexts 1400 32768 185000 --windows checkpoint off
+    python -m bench.long_context --device cuda --contexts 1400 32768 185000 \
+        --windows checkpoint off --invariant off on
 """
 
 from __future__ import annotations
@@ -128,28 +133,36 @@ def run(args) -> list[dict]:
     from splitflash.services.verify.loader import load_engine
 
     room = max(args.contexts) + args.max_tokens + 64
-    settings = VerifySettings(target=args.target, device=args.device,
-                              kv_pages=-(-room // 16) + 64, max_context=room)  # fmt: skip
-    engine = load_engine(settings)
+    # One verify engine per mode: a CUDA graph holds the kernels it was captured with.
+    engines = {
+        mode: load_engine(VerifySettings(target=args.target, device=args.device,
+                                         kv_pages=-(-room // 16) + 64, max_context=room,
+                                         batch_invariant=mode == "on"))
+        for mode in args.invariant
+    }  # fmt: skip
     tokenizer = load_tokenizer(store.resolve(args.target))
     drafters = {
         w: build_dflash_drafter(args.drafter_path, args.target, args.device, window_override=w,
                                 pool_slots=1, pool_context=room, cuda_graphs=True)
         for w in args.windows
     }  # fmt: skip
-    engine.feature_layer_ids = next(iter(drafters.values())).target_layer_ids
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    verify_ms = PhaseTimer(engine, "verify", sync)
+    verify_ms = {}
+    for mode, engine in engines.items():
+        engine.feature_layer_ids = next(iter(drafters.values())).target_layer_ids
+        verify_ms[mode] = PhaseTimer(engine, "verify", sync)
     propose_ms = {w: PhaseTimer(d, "propose", sync) for w, d in drafters.items()}
     rows = []
-    for ctx in args.contexts:
+    for ctx, mode in ((c, m) for c in args.contexts for m in args.invariant):
+        engine = engines[mode]
         prompt = build_prompt(tokenizer, ctx)
         ways = {"target-only": None} | {f"dflash ({w})": d for w, d in drafters.items()}
         ref = None
-        for name, drafter in ways.items():
+        for way, drafter in ways.items():
+            name = way if len(args.invariant) == 1 else f"{way} [invariant {mode}]"
             for _ in range(2 if cuda else 1):  # a first run warms up: graphs, autotuning
-                for timer in (verify_ms, *propose_ms.values()):
+                for timer in (verify_ms[mode], *propose_ms.values()):
                     timer.ms.clear()
                 before = _captures(engine, drafter)
                 gen = generate_local(engine, drafter, prompt, args.max_tokens,
@@ -157,15 +170,18 @@ def run(args) -> list[dict]:
             captures = _captures(engine, drafter) - before
             rate, timed = decode_rate(gen, args.warm_steps)
             step_ms = sorted(s * 1e3 for s, _ in gen.steps[args.warm_steps :]) or [0.0]
-            row = dict(context=ctx, way=name, tokens=len(gen.token_ids), decode_tok_s=rate,
+            row = dict(context=ctx, way=name, invariant=mode, tokens=len(gen.token_ids),
+                       decode_tok_s=rate,
                        steps_timed=timed, prefill_s=gen.prefill_seconds,
                        mean_commit_len=gen.stats.mean_commit_len,
                        step_ms_median=step_ms[len(step_ms) // 2], step_ms_max=step_ms[-1],
-                       timed_captures=captures, verify_ms_median=verify_ms.median(),
+                       timed_captures=captures, verify_ms_median=verify_ms[mode].median(),
                        propose_ms_median=sum(t.median() for t in propose_ms.values()),
                        violations=gen.violations)  # fmt: skip
             if ref is None:
                 ref = gen.token_ids
+                # What the target writes here (past its 8k trained positions it may degrade).
+                row["text"] = tokenizer.decode(gen.token_ids[:48])
             elif gen.token_ids != ref:
                 row["divergence"] = diagnose(engine, prompt, ref, gen.token_ids)
             rows.append(row)
@@ -194,15 +210,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--warm-steps", type=int, default=3)
-    p.add_argument("--tie-tolerance", type=float, default=0.25,
-                   help="largest target logit gap at a divergence taken as bf16 rounding")
+    p.add_argument(
+        "--invariant",
+        nargs="+",
+        default=["off"],
+        choices=["off", "on"],
+        help="batch-invariant verify steps (exact equality required when on)",
+    )
+    p.add_argument(
+        "--tie-tolerance",
+        type=float,
+        default=0.25,
+        help="largest target logit gap at a fast-kernel divergence taken as bf16 rounding",
+    )
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
     rows = run(args)
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
-    lossy = [r for r in rows if r.get("divergence", {}).get("logit_gap", 0.0) > args.tie_tolerance
-             or r.get("divergence", {}).get("note")]  # fmt: skip
+    lossy = [r for r in rows if "divergence" in r and (
+        r["invariant"] == "on" or r["divergence"].get("note")
+        or r["divergence"]["logit_gap"] > args.tie_tolerance)]  # fmt: skip
     for r in lossy:
         print(f"LOSSY: {r['way']} at {r['context']}: {r['divergence']}")
     return 1 if lossy or any(r["violations"] for r in rows) else 0

@@ -56,7 +56,7 @@ def _host_ms(fn, reps: int) -> float:
     return sorted(times[3:])[reps // 2]
 
 
-def _engine(context: int, batch: int, page: int):
+def _engine(context: int, batch: int, page: int, invariant: bool = False):
     import torch
 
     from splitflash.models.config import TargetConfig
@@ -71,6 +71,7 @@ def _engine(context: int, batch: int, page: int):
     for p in model.parameters():
         torch.nn.init.normal_(p, 0.0, 0.02)
     model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    model.batch_invariant = invariant  # TargetModel: rows computed the same in any step
     pages = 2 * batch * (-(-(context + 2048) // page)) + 8  # bench requests + live ones
     cache = PagedKVCache(cfg.num_layers, pages, page, cfg.num_kv_heads, cfg.head_dim,
                          dtype=torch.bfloat16, device="cuda", scratch_pages=64 // page)  # fmt: skip
@@ -146,11 +147,12 @@ def measure(
     reps: int,
     page: int = 16,
     profile: bool = False,
+    invariant: bool = False,
 ):
     """One row: eager and graphed step times at `context` keys per request."""
     import torch
 
-    engine = _engine(context, batch, page)
+    engine = _engine(context, batch, page, invariant)
     cfg, cache = engine.model.cfg, engine.cache
     spans = []
     for b in range(batch):
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--json-out", default=None)
     p.add_argument("--profile", action="store_true", help="per-kernel GPU time of a step")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant steps (TargetModel.batch_invariant)")  # fmt: skip
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.verify_step needs a CUDA GPU")
@@ -213,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in args.contexts:
         for b in args.batches:
             for q in args.q_lens:
-                r = measure(ctx, b, q, copy, args.reps, profile=args.profile)
+                r = measure(ctx, b, q, copy, args.reps, profile=args.profile,
+                            invariant=args.batch_invariant)  # fmt: skip
+                r["batch_invariant"] = args.batch_invariant
                 torch.cuda.empty_cache()  # the last engine's KV pool is garbage now
                 rows.append(r)
                 print(f"[{time.perf_counter() - t0:6.1f}s] ctx {ctx} B {b} q {q}: eager "
