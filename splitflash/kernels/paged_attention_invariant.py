@@ -13,8 +13,8 @@ sets a row's floating-point order is a function of absolute key positions only:
   through the masked fold, so a tile folds the same keys the same way whether the row's
   last key ends the launch (decode) or sits inside the block (verify);
 - one fixed tile config and BLOCK_M (no autotuning, no q bucket): the same MMA shapes;
-- the combine walks the granules in order, sequentially (no tree reduction whose shape
-  would follow the granule count of the launch).
+- the combine sums granules in fixed-shape chunks at fixed granule indices, the chunks in
+  order (no reduction whose shape would follow the granule count of the launch).
 Keys past a row's visibility contribute exact zeros (p = 0, weight 0), and x + 0 == x, so
 extra tiles or granules of a longer launch leave the row's bits alone. How many granules a
 program walks is free (it does not change any row's arithmetic): that is planned per launch
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from splitflash.kernels.online_softmax import attend_tile
-from splitflash.kernels.paged_attention import _LOG2E, _load_kv_tile
+from splitflash.kernels.paged_attention import _LOG2E, _load_kv_full, _load_kv_tile, _page_ids
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, check_paged_inputs
 from splitflash.kernels.tuning import device_facts, interpreter_active, next_pow2
 
@@ -59,6 +59,15 @@ def _granule_start(g, GRANULE_SMALL: tl.constexpr, SMALL_SPAN: tl.constexpr,
                    GRANULE: tl.constexpr):  # fmt: skip
     n_small = SMALL_SPAN // GRANULE_SMALL
     return tl.where(g < n_small, g * GRANULE_SMALL, SMALL_SPAN + (g - n_small) * GRANULE)
+
+
+@triton.jit
+def _visible(t, end, prefix, anc):
+    """[BLOCK_M, BLOCK_N] keys t a row sees: prefix keys all; block node j = t - prefix iff
+    bit j of the row's ancestor bits anc [BLOCK_M]; nothing at or past end."""
+    j = tl.minimum(tl.maximum(t - prefix, 0), 63).to(tl.int64)
+    bit = (anc[:, None] >> j[None, :]) & 1
+    return (t < end)[None, :] & ((t < prefix)[None, :] | (bit != 0))
 
 
 @triton.jit(do_not_specialize=["n_granules", "n_programs", "m_tiles"])
@@ -115,16 +124,29 @@ def _invariant_attn_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        # Whole tiles: page ids carried a tile ahead (see paged_attention.py), no load masks.
+        # Every tile, whole or not, folds through the visibility mask: which tiles are whole
+        # depends on the launch's kv_len, the fold must not.
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        last_page = tl.maximum(end - 1, 0) // PAGE
+        page = _page_ids(pages_ptr, start + tl.arange(0, BLOCK_N), last_page, PAGE)
+        for n0 in range(start, full_end, BLOCK_N):
+            t = n0 + tl.arange(0, BLOCK_N)
+            k, v = _load_kv_full(
+                k_ptr, v_ptr, page, t, kv_head,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                PAGE, BLOCK_D, D, UPCAST,
+            )  # fmt: skip
+            page = _page_ids(pages_ptr, t + BLOCK_N, last_page, PAGE)
+            visible = _visible(t, end, prefix, anc)
+            m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
+        if full_end < end:  # the granule's (or the request's) last, partial tile
             t, k, v = _load_kv_tile(
-                k_ptr, v_ptr, pages_ptr, n0, end, kv_head,
+                k_ptr, v_ptr, pages_ptr, full_end, end, kv_head,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
             )  # fmt: skip
-            # Prefix keys: all visible. Block node j = t - prefix: bit j of the row's anc.
-            j = tl.minimum(tl.maximum(t - prefix, 0), 63).to(tl.int64)
-            bit = (anc[:, None] >> j[None, :]) & 1
-            visible = (t < end)[None, :] & ((t < prefix)[None, :] | (bit != 0))
+            visible = _visible(t, end, prefix, anc)
             m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
         # A granule past the row's keys (or the request's end) leaves l = 0: partial 0, lse
         # -inf, weight 0 in the combine.
@@ -142,29 +164,40 @@ def _combine_in_order_kernel(
     part_lse_ptr,  # [N, H, n_granules] fp32
     out_ptr,  # [N, H, D]
     n_granules,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """out = sum_g w_g * o_g / sum_g w_g, w_g = 2^(lse_g - max lse), summed in granule order.
-    The max is exact in any order; the sums are a left fold, one granule at a time."""
+    """out = sum_g w_g * o_g / sum_g w_g, w_g = 2^(lse_g - max lse). The sums run over
+    chunks of CHUNK granules at fixed granule indices: one fixed-shape tl.sum per chunk (the
+    same tree whatever the launch, zeros past a row's last granule), the chunks added in
+    order. The max is exact in any order."""
     base = tl.program_id(0) * n_granules  # program = one (row, head)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     m = tl.full([], float("-inf"), tl.float32)
-    for g0 in range(0, n_granules, BLOCK_G):
-        offs = g0 + tl.arange(0, BLOCK_G)
+    for g0 in range(0, n_granules, CHUNK):
+        offs = g0 + tl.arange(0, CHUNK)
         lse = tl.load(part_lse_ptr + base + offs, mask=offs < n_granules, other=float("-inf"))
         m = tl.maximum(m, tl.max(lse, axis=0))
     m = tl.where(m == float("-inf"), 0.0, m)  # a row with no key at all: zeros, not nan
     acc = tl.zeros([BLOCK_D], tl.float32)
     w_sum = tl.full([], 0.0, tl.float32)
-    for g in range(0, n_granules):
-        w = tl.exp2(tl.load(part_lse_ptr + base + g) - m)
-        o = tl.load(part_out_ptr + (base + g) * D + offs_d, mask=d_ok, other=0.0)
-        acc += w * o
-        w_sum += w
+    for g0 in range(0, n_granules, CHUNK):
+        offs = g0 + tl.arange(0, CHUNK)
+        g_ok = offs < n_granules
+        w = tl.exp2(tl.load(part_lse_ptr + base + offs, mask=g_ok, other=float("-inf")) - m)
+        o = tl.load(part_out_ptr + (base + offs)[:, None] * D + offs_d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        acc += tl.sum(w[:, None] * o, axis=0)
+        w_sum += tl.sum(w, axis=0)
     w_sum = tl.where(w_sum > 0.0, w_sum, 1.0)
     dst = out_ptr + tl.program_id(0) * D + offs_d
     tl.store(dst, (acc / w_sum).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# Partial elements per combine chunk ([chunk, BLOCK_D] fp32 over 8 warps: 64 registers per
+# thread). A model's head dim is fixed, so is its chunk: 256 granules at D 64 (250k keys in
+# one chunk), 128 at D 128.
+COMBINE_ELEMS = 16384
 
 
 def plan_programs(n_granules: int, n_other: int, sm_count: int) -> int:
@@ -232,6 +265,7 @@ def paged_attention_invariant(
     )  # fmt: skip
     _combine_in_order_kernel[(n_rows * n_heads,)](
         part_out, part_lse, out, n_gran,
-        D=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_G=64, num_warps=1,
+        D=head_dim, BLOCK_D=next_pow2(head_dim),
+        CHUNK=max(16, COMBINE_ELEMS // next_pow2(head_dim)), num_warps=8,
     )  # fmt: skip
     return out
