@@ -24,6 +24,8 @@ for occupancy. Cost: partials per granule, a masked fold on every tile, one fixe
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -128,9 +130,22 @@ def _invariant_attn_kernel(
         # Every tile, whole or not, folds through the visibility mask: which tiles are whole
         # depends on the launch's kv_len, the fold must not.
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        # Whole tiles of prefix keys only: the mask is all true, built without the ancestor
+        # bits (the same values, so the same fold, at a fraction of the integer work).
+        pre_end = start + tl.maximum(tl.minimum(end, prefix) - start, 0) // BLOCK_N * BLOCK_N
         last_page = tl.maximum(end - 1, 0) // PAGE
         page = _page_ids(pages_ptr, start + tl.arange(0, BLOCK_N), last_page, PAGE)
-        for n0 in range(start, full_end, BLOCK_N):
+        for n0 in range(start, pre_end, BLOCK_N):
+            t = n0 + tl.arange(0, BLOCK_N)
+            k, v = _load_kv_full(
+                k_ptr, v_ptr, page, t, kv_head,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                PAGE, BLOCK_D, D, UPCAST,
+            )  # fmt: skip
+            page = _page_ids(pages_ptr, t + BLOCK_N, last_page, PAGE)
+            visible = (t < end)[None, :] | (rows < 0)[:, None]  # [BLOCK_M, BLOCK_N], all true
+            m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
+        for n0 in range(pre_end, full_end, BLOCK_N):
             t = n0 + tl.arange(0, BLOCK_N)
             k, v = _load_kv_full(
                 k_ptr, v_ptr, page, t, kv_head,
@@ -203,7 +218,10 @@ COMBINE_ELEMS = 16384
 def plan_programs(n_granules: int, n_other: int, sm_count: int) -> int:
     """Programs along the key axis: about two per SM over all (request, kv head, row tile)
     programs n_other, never more than one per granule."""
-    return max(1, min(n_granules, -(-2 * sm_count // max(1, n_other))))
+    want = max(1, min(n_granules, -(-2 * sm_count // max(1, n_other))))
+    if os.environ.get("SPLITFLASH_INVARIANT_PLAN", "") == "even":  # MEASURING: equal shares
+        return -(-n_granules // -(-n_granules // want))
+    return want
 
 
 def paged_attention_invariant(
