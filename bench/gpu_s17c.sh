@@ -3,6 +3,8 @@
 # mask built without the ancestor bits, and two key-axis plans alternated
 # (SPLITFLASH_INVARIANT_PLAN=even: equal granule counts per program, fewer programs; unset:
 # about two programs per SM, shares differing by one granule), against the fast kernels.
+# A record: the toggle was removed after this run ("even" was no faster), so the even rows
+# now repeat the share plan.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site

@@ -7,7 +7,7 @@ q bucket, the GPU), so the row of position p reduces its keys in another order i
 verify block than in a one-token decode step, and in bf16 a near tie of the target's top two
 logits can then flip (measured on the H200 at 32k: bench/RESULTS.md). Here every choice that
 sets a row's floating-point order is a function of absolute key positions only:
-- keys are cut into fixed granules (GRANULE_SMALL keys up to SMALL_SPAN, then GRANULE), each
+- keys are cut into fixed granules (sizes grow with key position: granule_start), each
   reduced on its own into a partial (softmax-normalised output, log2-sum-exp2);
 - inside a granule, tiles of BLOCK_N keys start at the granule's start; every tile goes
   through the masked fold, so a tile folds the same keys the same way whether the row's
@@ -24,8 +24,6 @@ for occupancy. Cost: partials per granule, a masked fold on every tile, one fixe
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -35,32 +33,59 @@ from splitflash.kernels.paged_attention import _LOG2E, _load_kv_full, _load_kv_t
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, check_paged_inputs
 from splitflash.kernels.tuning import device_facts, interpreter_active, next_pow2
 
-GRANULE_SMALL = 256  # keys per granule below SMALL_SPAN: short contexts still get programs
-SMALL_SPAN = 4096  # 16 small granules, then
-GRANULE = 1024  # keys per granule: 181 partials per row at 185k
+# Granule sizes by key position: small ones at short contexts (enough programs), larger ones
+# far out (fewer partials, fewer per-granule restarts: H200 sweep in bench/RESULTS.md).
+GRANULE_SMALL = 256  # keys per granule in [0, SMALL_SPAN)
+SMALL_SPAN = 4096
+GRANULE = 1024  # keys per granule in [SMALL_SPAN, MID_SPAN)
+MID_SPAN = 65536
+GRANULE_LARGE = 2048  # keys per granule from MID_SPAN on: 135 partials per row at 185k
 BLOCK_M = 64  # query rows per program, whatever q_len (the MMA shape must not vary)
-CONFIG = (64, 4, 3)  # (BLOCK_N, num_warps, num_stages), fixed: autotuning per shape would
-# pick per launch; the fast kernel's q_len-1 pick on the H200 (tuning.MEASURED_PICKS)
+# (BLOCK_N, num_warps, num_stages), fixed per head dim (a model constant, never per launch):
+# the best of the H200 sweep at D 64; at D 128 a 128-key tile at 4 warps spills, so the fast
+# kernel's q_len-1 pick (tuning.MEASURED_PICKS).
+CONFIG_BY_HEAD_DIM = {64: (128, 4, 2)}
+CONFIG = (64, 4, 3)
+PROGRAMS_PER_SM = 4  # key-axis programs: one granule each at 185k, batch 1 (H200 sweep)
+
+
+def tile_config(head_dim: int) -> tuple[int, int, int]:
+    """The fixed (BLOCK_N, num_warps, num_stages) for a head dim."""
+    return CONFIG_BY_HEAD_DIM.get(next_pow2(head_dim), CONFIG)
 
 
 def granule_count(kv_len: int) -> int:
     """Granules covering keys [0, kv_len)."""
+    n_small = SMALL_SPAN // GRANULE_SMALL
     if kv_len <= SMALL_SPAN:
         return -(-kv_len // GRANULE_SMALL)
-    return SMALL_SPAN // GRANULE_SMALL + -(-(kv_len - SMALL_SPAN) // GRANULE)
+    if kv_len <= MID_SPAN:
+        return n_small + -(-(kv_len - SMALL_SPAN) // GRANULE)
+    n_mid = n_small + (MID_SPAN - SMALL_SPAN) // GRANULE
+    return n_mid + -(-(kv_len - MID_SPAN) // GRANULE_LARGE)
 
 
 def granule_start(g: int) -> int:
     """First key of granule g (a multiple of GRANULE_SMALL, so of every BLOCK_N)."""
     n_small = SMALL_SPAN // GRANULE_SMALL
-    return g * GRANULE_SMALL if g < n_small else SMALL_SPAN + (g - n_small) * GRANULE
+    n_mid = n_small + (MID_SPAN - SMALL_SPAN) // GRANULE
+    if g < n_small:
+        return g * GRANULE_SMALL
+    if g < n_mid:
+        return SMALL_SPAN + (g - n_small) * GRANULE
+    return MID_SPAN + (g - n_mid) * GRANULE_LARGE
 
 
 @triton.jit
 def _granule_start(g, GRANULE_SMALL: tl.constexpr, SMALL_SPAN: tl.constexpr,
-                   GRANULE: tl.constexpr):  # fmt: skip
+                   GRANULE: tl.constexpr, MID_SPAN: tl.constexpr,
+                   GRANULE_LARGE: tl.constexpr):  # fmt: skip
+    """granule_start on the device."""
     n_small = SMALL_SPAN // GRANULE_SMALL
-    return tl.where(g < n_small, g * GRANULE_SMALL, SMALL_SPAN + (g - n_small) * GRANULE)
+    n_mid = n_small + (MID_SPAN - SMALL_SPAN) // GRANULE
+    mid = tl.where(g < n_mid, SMALL_SPAN + (g - n_small) * GRANULE,
+                   MID_SPAN + (g - n_mid) * GRANULE_LARGE)  # fmt: skip
+    return tl.where(g < n_small, g * GRANULE_SMALL, mid)
 
 
 @triton.jit
@@ -92,6 +117,7 @@ def _invariant_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
     GRANULE_SMALL: tl.constexpr, SMALL_SPAN: tl.constexpr, GRANULE: tl.constexpr,
+    MID_SPAN: tl.constexpr, GRANULE_LARGE: tl.constexpr,
 ):  # fmt: skip
     prog = tl.program_id(0) // m_tiles
     m_tile = tl.program_id(0) % m_tiles
@@ -121,8 +147,11 @@ def _invariant_attn_kernel(
 
     # This program's granules: an even share (the counts differ by at most one).
     for g in range(prog * n_granules // n_programs, (prog + 1) * n_granules // n_programs):
-        start = _granule_start(g, GRANULE_SMALL, SMALL_SPAN, GRANULE)
-        end = tl.minimum(_granule_start(g + 1, GRANULE_SMALL, SMALL_SPAN, GRANULE), kv_len)
+        start = _granule_start(g, GRANULE_SMALL, SMALL_SPAN, GRANULE, MID_SPAN, GRANULE_LARGE)
+        end = tl.minimum(
+            _granule_start(g + 1, GRANULE_SMALL, SMALL_SPAN, GRANULE, MID_SPAN, GRANULE_LARGE),
+            kv_len,
+        )
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -216,12 +245,10 @@ COMBINE_ELEMS = 16384
 
 
 def plan_programs(n_granules: int, n_other: int, sm_count: int) -> int:
-    """Programs along the key axis: about two per SM over all (request, kv head, row tile)
-    programs n_other, never more than one per granule."""
-    want = max(1, min(n_granules, -(-2 * sm_count // max(1, n_other))))
-    if os.environ.get("SPLITFLASH_INVARIANT_PLAN", "") == "even":  # MEASURING: equal shares
-        return -(-n_granules // -(-n_granules // want))
-    return want
+    """Programs along the key axis: about PROGRAMS_PER_SM per SM over all (request, kv head,
+    row tile) programs n_other, never more than one per granule. Shares may differ by one
+    granule: equal shares with fewer programs measured no faster on the H200."""
+    return max(1, min(n_granules, -(-PROGRAMS_PER_SM * sm_count // max(1, n_other))))
 
 
 def paged_attention_invariant(
@@ -268,7 +295,7 @@ def paged_attention_invariant(
                            dtype=torch.float32)  # fmt: skip
     part_lse = torch.empty(n_rows, n_heads, n_gran, device=q.device, dtype=torch.float32)
     upcast = interpreter_active() or q.dtype == torch.float32
-    block_n, warps, stages = CONFIG
+    block_n, warps, stages = tile_config(head_dim)
     _invariant_attn_kernel[(n_prog * m_tiles, n_req, n_kv_heads)](
         q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, part_out, part_lse,
         scale * _LOG2E,
@@ -278,8 +305,8 @@ def paged_attention_invariant(
         page_table.shape[1], n_gran, n_prog, m_tiles,
         H=n_heads, G=group, D=head_dim, PAGE=page_size, BLOCK_M=BLOCK_M,
         BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=block_n, UPCAST=upcast, DOT_IEEE=upcast,
-        GRANULE_SMALL=GRANULE_SMALL, SMALL_SPAN=SMALL_SPAN, GRANULE=GRANULE,
-        num_warps=warps, num_stages=stages,
+        GRANULE_SMALL=GRANULE_SMALL, SMALL_SPAN=SMALL_SPAN, GRANULE=GRANULE, MID_SPAN=MID_SPAN,
+        GRANULE_LARGE=GRANULE_LARGE, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _combine_in_order_kernel[(n_rows * n_heads,)](
         part_out, part_lse, out, n_gran,

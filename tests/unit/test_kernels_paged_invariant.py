@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from splitflash.kernels.paged_attention_invariant import (
     GRANULE,
+    GRANULE_LARGE,
+    GRANULE_SMALL,
+    MID_SPAN,
     SMALL_SPAN,
+    _granule_start,
     granule_count,
     granule_start,
     paged_attention_invariant,
@@ -27,15 +33,35 @@ from tests.unit.test_kernels_paged import CASES, IDS, as_fp64, dense_oracle, mak
 
 def test_granules_tile_the_keys_at_fixed_positions():
     assert [granule_start(g) for g in (0, 1, 15, 16, 17)] == [0, 256, 3840, 4096, 4096 + GRANULE]
-    lens = (1, 256, 257, SMALL_SPAN, SMALL_SPAN + 1)
-    assert [granule_count(n) for n in lens] == [1, 1, 2, 16, 17]
-    assert granule_count(185_000) == 16 + -(-(185_000 - SMALL_SPAN) // GRANULE)
-    for n in (1, 300, 4096, 4097, 70_000):  # the last granule holds key n - 1
+    n_mid = 16 + (MID_SPAN - SMALL_SPAN) // GRANULE  # 76
+    assert granule_start(n_mid - 1) == MID_SPAN - GRANULE and granule_start(n_mid) == MID_SPAN
+    assert granule_start(n_mid + 1) == MID_SPAN + GRANULE_LARGE
+    lens = (1, 256, 257, SMALL_SPAN, SMALL_SPAN + 1, MID_SPAN, MID_SPAN + 1)
+    assert [granule_count(n) for n in lens] == [1, 1, 2, 16, 17, n_mid, n_mid + 1]
+    assert granule_count(185_000) == n_mid + -(-(185_000 - MID_SPAN) // GRANULE_LARGE) == 135
+    for n in (1, 300, 4096, 4097, 70_000, 185_000):  # the last granule holds key n - 1
         g = granule_count(n) - 1
         assert granule_start(g) < n <= granule_start(g + 1)
-    # Programs along the keys: about 2 per SM overall, at most one per granule.
-    assert plan_programs(181, 3, 132) == 88
+    # Programs along the keys: about 4 per SM overall, at most one per granule.
+    assert plan_programs(135, 3, 132) == 135 and plan_programs(300, 3, 132) == 176
     assert plan_programs(3, 1, 132) == 3 and plan_programs(50, 1000, 132) == 1
+
+
+@triton.jit
+def _starts_kernel(out_ptr, n, GS: tl.constexpr, SS: tl.constexpr, G: tl.constexpr,
+                   MS: tl.constexpr, GL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    g = tl.arange(0, BLOCK)
+    tl.store(out_ptr + g, _granule_start(g, GS, SS, G, MS, GL), mask=g < n)
+
+
+@needs_triton
+def test_device_granule_map_is_the_hosts():
+    """The kernel's granule starts (all three sizes) are the ones granule_count plans with."""
+    n = 200
+    out = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    _starts_kernel[(1,)](out, n, GRANULE_SMALL, SMALL_SPAN, GRANULE, MID_SPAN, GRANULE_LARGE,
+                         BLOCK=256)  # fmt: skip
+    assert out.tolist() == [granule_start(g) for g in range(n)]
 
 
 # fp16 skips the two slowest interpreter cases (~10 s each); fp32 runs every case.

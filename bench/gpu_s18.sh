@@ -1,0 +1,45 @@
+#!/bin/bash
+# Session 18. Round 1, one call, carry [".whl"]: bash bench/gpu_s18.sh sweep
+#   the invariant attention's fixed choices (bench.invariant_sweep) and the graphed draft
+#   step with its appends (bench.draft_graphs; session 17's raw file was lost).
+# Round 2, three calls back to back, the model in thirds (host side as in gpu_s16f.sh):
+#   carry [".whl", ".model/a"]: bash bench/gpu_s18.sh a   GPU tests, the invariant attention
+#     against session 17's choices (invariant_sweep --ab), verify_step fast/invariant
+#   carry [".model/b"]:         bash bench/gpu_s18.sh b
+#   carry [".whl", ".model/c"]: bash bench/gpu_s18.sh c   long_context, fast and invariant
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=$PWD:/tmp/site
+if [ "$1" = sweep ]; then
+  timeout 330 python3 -m bench.invariant_sweep --out "$OUT/invariant_sweep_h200.json" 2>&1 \
+    | grep -v Warn
+  timeout 150 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 50 \
+    --json-out "$OUT/draft_graphs_appends_h200.json" 2>&1 | grep -v Warn | tail -6
+  exit 0
+fi
+mkdir -p "$HOME/m" && cp ".model/$1"/* "$HOME/m/" || exit 1
+[ "$1" = b ] && exit 0
+if [ "$1" = a ]; then
+  timeout 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+    tests/unit/test_kernels_paged_invariant.py tests/unit/test_batch_invariant.py \
+    tests/unit/test_kernels_fused_linear.py tests/unit/test_verify_graphs.py \
+    tests/unit/test_draft_graph_appends.py 2>&1 \
+    | grep -E "fast kernels|passed|failed|Error|assert" | tail -20
+  timeout 90 python3 -m bench.invariant_sweep --ab --out "$OUT/invariant_ab_h200.json" 2>&1 \
+    | grep -v Warn
+  for i in 1 2; do
+    for inv in "" --batch-invariant; do
+      timeout 110 python3 -m bench.verify_step --contexts 512 32768 185000 --q-lens 16 1 \
+        --reps 50 $inv --json-out "$OUT/verify_step${inv:+_invariant}_$i.json" 2>&1 \
+        | grep -E "^ +(512|32768|185000) " | sed "s/^/${inv:-fast} /"
+    done
+  done
+  exit 0
+fi
+cat "$HOME"/m/part-* > "$HOME/m/model.gguf" && sha256sum "$HOME/m/model.gguf"
+timeout ${LC_TIMEOUT:-480} python3 -m bench.long_context --device cuda \
+  --target "$HOME/m/model.gguf" --contexts ${LC_CONTEXTS:-1400 8192 32768 185000} \
+  --windows checkpoint --invariant off on --max-tokens 128 \
+  --json-out "$OUT/long_context_invariant_h200.json" > "$OUT/long_context_invariant.log" 2>&1
+echo "rc $?"
+grep -E "^ctx|differs|LOSSY|Error|error" "$OUT/long_context_invariant.log" | tail -30
