@@ -7,6 +7,11 @@
 #     against session 17's choices (invariant_sweep --ab), verify_step fast/invariant
 #   carry [".model/b"]:         bash bench/gpu_s18.sh b
 #   carry [".whl", ".model/c"]: bash bench/gpu_s18.sh c   long_context, fast and invariant
+# Round 3, one call, carry [".whl"]: bash bench/gpu_s18.sh shares   GPU tests and --ab again
+#   after each program took the granules starting in its equal share of the keys;
+# Round 4, the same with "shares restart": an equal share of keys + RESTART_KEYS per granule
+# (measured, then removed); round 5 "shares final": one granule per program when programs
+# suffice, else key shares, int32 loop bounds.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=$PWD:/tmp/site
@@ -15,6 +20,20 @@ if [ "$1" = sweep ]; then
     | grep -v Warn
   timeout 150 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 50 \
     --json-out "$OUT/draft_graphs_appends_h200.json" 2>&1 | grep -v Warn | tail -6
+  exit 0
+fi
+if [ "$1" = shares ]; then  # rounds 3-4 (carry [".whl"]): how granules are shared out
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/unit/test_kernels_paged_invariant.py tests/unit/test_batch_invariant.py 2>&1 | tail -2
+  for i in 1 ${2:+2}; do
+    timeout 90 python3 -m bench.invariant_sweep --ab \
+      --out "$OUT/invariant_ab_${2:-shares}${2:+_$i}_h200.json" 2>&1 | grep -v Warn
+  done
+  [ "$2" = final ] && for inv in "" --batch-invariant; do
+    timeout 100 python3 -m bench.verify_step --contexts 32768 131072 --batches 1 8 --q-lens 16 \
+      --reps 30 $inv --json-out "$OUT/verify_step_b8${inv:+_invariant}_h200.json" 2>&1 \
+      | grep -E "^ +(32768|131072) " | sed "s/^/${inv:-fast} /"
+  done
   exit 0
 fi
 mkdir -p "$HOME/m" && cp ".model/$1"/* "$HOME/m/" || exit 1

@@ -9,6 +9,8 @@ output bit-identical to target-only output (TargetModel.batch_invariant).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import triton
@@ -20,6 +22,7 @@ from splitflash.kernels.paged_attention_invariant import (
     GRANULE_SMALL,
     MID_SPAN,
     SMALL_SPAN,
+    _granule_count,
     _granule_start,
     granule_count,
     granule_start,
@@ -48,20 +51,43 @@ def test_granules_tile_the_keys_at_fixed_positions():
 
 
 @triton.jit
-def _starts_kernel(out_ptr, n, GS: tl.constexpr, SS: tl.constexpr, G: tl.constexpr,
-                   MS: tl.constexpr, GL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    g = tl.arange(0, BLOCK)
-    tl.store(out_ptr + g, _granule_start(g, GS, SS, G, MS, GL), mask=g < n)
+def _map_kernel(starts_ptr, counts_ptr, keys_ptr, n_keys, GS: tl.constexpr,
+                SS: tl.constexpr, G: tl.constexpr, MS: tl.constexpr, GL: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.arange(0, BLOCK)
+    tl.store(starts_ptr + i, _granule_start(i, GS, SS, G, MS, GL))
+    keys = tl.load(keys_ptr + i, mask=i < n_keys, other=0)
+    tl.store(counts_ptr + i, _granule_count(keys, GS, SS, G, MS, GL), mask=i < n_keys)
 
 
 @needs_triton
 def test_device_granule_map_is_the_hosts():
-    """The kernel's granule starts (all three sizes) are the ones granule_count plans with."""
-    n = 200
-    out = torch.empty(n, dtype=torch.int32, device=DEVICE)
-    _starts_kernel[(1,)](out, n, GRANULE_SMALL, SMALL_SPAN, GRANULE, MID_SPAN, GRANULE_LARGE,
-                         BLOCK=256)  # fmt: skip
-    assert out.tolist() == [granule_start(g) for g in range(n)]
+    """The kernel's granule starts and counts (all three sizes; the count also shares the
+    granules out between programs) are the ones the launch plans with."""
+    block = 256
+    keys = sorted({0, 1, 255, 256, 257, SMALL_SPAN - 1, SMALL_SPAN, SMALL_SPAN + 1,
+                   MID_SPAN - 1, MID_SPAN, MID_SPAN + 1, MID_SPAN + 2048, 185_000}
+                  | set(range(0, 300_000, 1500)))  # fmt: skip
+    starts = torch.empty(block, dtype=torch.int32, device=DEVICE)
+    counts = torch.empty(len(keys), dtype=torch.int32, device=DEVICE)
+    key_t = torch.tensor(keys, dtype=torch.int32, device=DEVICE)
+    _map_kernel[(1,)](starts, counts, key_t, len(keys), GRANULE_SMALL, SMALL_SPAN, GRANULE,
+                      MID_SPAN, GRANULE_LARGE, BLOCK=block)  # fmt: skip
+    assert starts.tolist() == [granule_start(g) for g in range(block)]
+    assert counts.tolist() == [granule_count(k) for k in keys]
+
+
+def test_fewer_programs_than_granules_share_out_the_keys():
+    """With fewer programs than granules, program p takes granules [count(p S / P),
+    count((p+1) S / P)) of the span S: together every granule exactly once, and no program
+    more than one granule over an equal share of the keys."""
+    for kv_len, n_prog in ((32768, 22), (131072, 22), (185_000, 100), (300, 1), (70_000, 3)):
+        n_gran = granule_count(kv_len)
+        span = granule_start(n_gran)
+        bounds = [granule_count(p * span // n_prog) for p in range(n_prog + 1)]
+        assert bounds[0] == 0 and bounds[-1] == n_gran and bounds == sorted(bounds)
+        for lo, hi in itertools.pairwise(bounds):
+            assert granule_start(hi) - granule_start(lo) <= span / n_prog + GRANULE_LARGE
 
 
 # fp16 skips the two slowest interpreter cases (~10 s each); fp32 runs every case.
