@@ -12,6 +12,8 @@
 # Round 4, the same with "shares restart": an equal share of keys + RESTART_KEYS per granule
 # (measured, then removed); round 5 "shares final": one granule per program when programs
 # suffice, else key shares, int32 loop bounds.
+# Round 6, carry [".whl"]: bash bench/gpu_s18.sh profile   per-kernel GPU time, 8 x 32k q16.
+# Round 7, carry [".whl"]: bash bench/gpu_s18.sh combine   the combine in chunks of 64.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=$PWD:/tmp/site
@@ -33,6 +35,24 @@ if [ "$1" = shares ]; then  # rounds 3-4 (carry [".whl"]): how granules are shar
     timeout 100 python3 -m bench.verify_step --contexts 32768 131072 --batches 1 8 --q-lens 16 \
       --reps 30 $inv --json-out "$OUT/verify_step_b8${inv:+_invariant}_h200.json" 2>&1 \
       | grep -E "^ +(32768|131072) " | sed "s/^/${inv:-fast} /"
+  done
+  exit 0
+fi
+if [ "$1" = combine ]; then  # round 7 (carry [".whl"]): combine chunks of 64 granules, 4 warps
+  timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/unit/test_kernels_paged_invariant.py tests/unit/test_batch_invariant.py 2>&1 | tail -2
+  timeout 60 python3 -m bench.invariant_sweep --ab --out "$OUT/invariant_ab_combine_h200.json" \
+    2>&1 | grep -v Warn
+  timeout 45 python3 -m bench.verify_step --contexts 32768 --batches 8 --q-lens 16 \
+    --reps 20 --batch-invariant --json-out "$OUT/verify_step_combine_invariant_h200.json" 2>&1 \
+    | grep -E "^ +32768 "
+  exit 0
+fi
+if [ "$1" = profile ]; then  # round 6 (carry [".whl"]): where batch 8's invariant step goes
+  for inv in "" --batch-invariant; do
+    timeout 120 python3 -m bench.verify_step --contexts 32768 --batches 8 --q-lens 16 \
+      --reps 20 --profile $inv --json-out "$OUT/verify_step_b8_profile${inv:+_invariant}_h200.json" \
+      2>&1 | grep -E "kernels per step|^ +[0-9.]+ us|^ +32768 " | head -18 | sed "s/^/${inv:-fast} /"
   done
   exit 0
 fi

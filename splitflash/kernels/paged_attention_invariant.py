@@ -266,10 +266,11 @@ def _combine_in_order_kernel(
     tl.store(dst, (acc / w_sum).to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-# Partial elements per combine chunk ([chunk, BLOCK_D] fp32 over 8 warps: 64 registers per
-# thread). A model's head dim is fixed, so is its chunk: 256 granules at D 64 (250k keys in
-# one chunk), 128 at D 128.
-COMBINE_ELEMS = 16384
+# Partial elements per combine chunk ([chunk, BLOCK_D] fp32 over 4 warps: 32 registers per
+# thread). A model's head dim is fixed, so is its chunk: 64 granules at D 64, 32 at D 128.
+# Small, because a chunk's masked tail is work too: at 8 x 32k (44 granules) chunks of 256
+# made the combine 15.6 us of the layer's ~120 (H200 profile, bench/RESULTS.md).
+COMBINE_ELEMS = 4096
 
 
 def plan_programs(n_granules: int, n_other: int, sm_count: int) -> int:
@@ -338,6 +339,6 @@ def paged_attention_invariant(
     _combine_in_order_kernel[(n_rows * n_heads,)](
         part_out, part_lse, out, n_gran,
         D=head_dim, BLOCK_D=next_pow2(head_dim),
-        CHUNK=max(16, COMBINE_ELEMS // next_pow2(head_dim)), num_warps=8,
+        CHUNK=max(16, COMBINE_ELEMS // next_pow2(head_dim)), num_warps=4,
     )  # fmt: skip
     return out
