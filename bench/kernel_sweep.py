@@ -283,12 +283,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=140.0, help="seconds from start")
     ap.add_argument("--rep", type=float, default=None, help="do_bench_cudagraph rep, ms "
                     "(default 15, --quick 10)")  # fmt: skip
-    ap.add_argument("--shape", type=lambda t: tuple(int(x) for x in t.split(",")),
-                    help="H,H_KV,D instead of 32,8,128 (e.g. 9,3,64: SmolLM2-135M)")
-    ap.add_argument("--points", nargs="+", help="B:KV:Q points instead of the default set",
-                    type=lambda t: tuple(int(x) for x in t.split(":")))
-    ap.add_argument("--layout", default="head", choices=["head", "token"],
-                    help="page storage: head-major (PagedKVCache's) or token-major")
+    ap.add_argument(
+        "--shape",
+        type=lambda t: tuple(int(x) for x in t.split(",")),
+        help="H,H_KV,D instead of 32,8,128 (e.g. 9,3,64: SmolLM2-135M)",
+    )
+    ap.add_argument(
+        "--points",
+        nargs="+",
+        help="B:KV:Q points instead of the default set",
+        type=lambda t: tuple(int(x) for x in t.split(":")),
+    )
+    ap.add_argument(
+        "--layout",
+        default="head",
+        choices=["head", "token"],
+        help="page storage: head-major (PagedKVCache's) or token-major",
+    )
     ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)))
     a = ap.parse_args(argv)
     if a.smoke and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):

@@ -213,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--no-sdpa", action="store_true")
-    ap.add_argument("--layout", default="head", choices=["head", "token"],
-                    help="page storage: head-major (PagedKVCache's) or token-major")
+    ap.add_argument(
+        "--layout",
+        default="head",
+        choices=["head", "token"],
+        help="page storage: head-major (PagedKVCache's) or token-major",
+    )
     a = ap.parse_args(argv)
     rows = run_kernel_bench(a.batch_sizes, a.kv_lens, a.q_lens, a.heads, a.kv_heads,
                             a.head_dim, a.page_size, a.dtype, not a.no_sdpa,

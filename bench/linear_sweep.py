@@ -66,18 +66,21 @@ def _steps(name: str, m: int):
     res = torch.randn(m, n, device=dev, dtype=dt)
     hidden = n if kind == "swiglu" else None
     if kind == "res":
+
         def unfused():
             return res + F.linear(x, w)
 
         def fused(cfg):
             return linear_residual_triton(x, w, res, config=cfg)
     else:
+
         def unfused():
             y = F.linear(rms_norm_triton(x, nw, 1e-5), w)
             return y if hidden is None else silu_mul_triton(y, hidden)
 
         def fused(cfg):
             return norm_linear_triton(x, nw, 1e-5, w, hidden, config=cfg)
+
     return unfused, fused
 
 

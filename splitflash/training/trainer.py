@@ -62,8 +62,9 @@ def _tau_estimate(logits, ids, lengths, anchors, valid) -> float:
     return 1.0 + float(ok[valid].float().mean()) if bool(valid.any()) else 1.0
 
 
-def plan_total(step: int, elapsed_s: float, per_step_s: float, budget_s: float,
-               max_steps: int) -> int:
+def plan_total(
+    step: int, elapsed_s: float, per_step_s: float, budget_s: float, max_steps: int
+) -> int:
     """Total steps that fit the budget at the current pace (never past max_steps)."""
     fit = step + int(max(0.0, budget_s - elapsed_s) / max(per_step_s, 1e-9))
     return max(step + 1, min(max_steps, fit))
@@ -187,16 +188,21 @@ class Trainer:
             while self.step < min(self.total, stop_at or self.total):
                 loss, tau = self.train_step()
                 loss_sum, tau_sum, n_sum = loss_sum + loss, tau_sum + tau, n_sum + 1
-                if cfg.time_budget_s and self.step % 25 == 0 and self.step - s_mark >= 10 \
-                        and self.step < self.total // 2:
+                if (
+                    cfg.time_budget_s
+                    and self.step % 25 == 0
+                    and self.step - s_mark >= 10
+                    and self.step < self.total // 2
+                ):
                     now = time.perf_counter()
                     per_step = (now - t_mark) / (self.step - s_mark)
                     t_mark, s_mark = now, self.step
-                    total = plan_total(self.step, now - t0, per_step, cfg.time_budget_s,
-                                       cfg.steps)
+                    total = plan_total(self.step, now - t0, per_step, cfg.time_budget_s, cfg.steps)
                     if total != self.total:
-                        log(f"time budget {cfg.time_budget_s:.0f}s at {per_step * 1e3:.0f} "
-                            f"ms/step: planned steps {self.total} -> {total}")
+                        log(
+                            f"time budget {cfg.time_budget_s:.0f}s at {per_step * 1e3:.0f} "
+                            f"ms/step: planned steps {self.total} -> {total}"
+                        )
                         self.total = total
                         bar.update(task, total=self.total)
                 info = f"loss {loss:.3f} tau~{tau:.2f}"

@@ -147,4 +147,3 @@ def test_captured_graph_writes_rows_and_drafts_what_eager_does():
     assert graphs.captures == 1 and not graphs.failed
     assert next(iter(graphs._graphs.values())).graph is not None
     _same_rows(graphed, plain, pool, prompts)
-

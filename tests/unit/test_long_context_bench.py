@@ -34,4 +34,3 @@ def test_diagnose_names_a_length_difference():
     engine = tiny_engine(tiny_model(seed=3))
     got = diagnose(engine, [5, 9], [3, 8, 1], [3, 8])
     assert got["position"] == 2 and "length" in got["note"]
-
