@@ -178,9 +178,10 @@ def run(args) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        # The gateway first, and each gone before the next: a gateway still serving while
+        # its workers vanish logs their loss and fails its in-flight requests' releases.
         for child in reversed(children):
             child.stop()
-        for child in children:
             if child.proc is not None:
                 try:
                     child.proc.wait(timeout=10)

@@ -152,9 +152,9 @@ class WorkerLink:
             if self.missed >= 2:
                 self.mark_down(f"{self.missed} heartbeats missed: {exc}")
 
-    def mark_down(self, why: str) -> None:
+    def mark_down(self, why: str, level: int = logging.WARNING) -> None:
         if self.alive:
-            log.warning("%s at %s is down: %s", self.service, self.addr, why)
+            log.log(level, "%s at %s is down: %s", self.service, self.addr, why)
         self.alive = False
         self.last_error = why
         self._down.set()  # wakes the calls in flight; later calls wait on a fresh event
@@ -185,7 +185,7 @@ class WorkerLink:
         ]
 
     async def close(self) -> None:
-        self.mark_down("closed")
+        self.mark_down("closed by the gateway", logging.INFO)  # a shutdown, not a failure
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
