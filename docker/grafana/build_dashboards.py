@@ -194,9 +194,12 @@ SERVICES = [
           "block lengths, batches past the largest graph, or graphs off/failed). A GPU "
           "deployment should be nearly all graph; capture_failed = 1 means it fell back. "
           "captures = CUDA graphs captured while serving, capture s/s = the share of time "
-          "those stalls took; steady traffic should stop adding them.",
+          "those stalls took; steady traffic should stop adding them. batch_invariant = 1: "
+          "steps computed bit for bit as target-only decoding would (exact greedy in bf16, "
+          "slower); 0: fast kernels.",
           (rate("splitflash_verify_forwards_total", "mode"), "{{mode}}"),
           ("max(splitflash_verify_graph_capture_failed)", "capture_failed"),
+          ("max(splitflash_verify_batch_invariant)", "batch_invariant"),
           ("sum(rate(splitflash_verify_graph_captures_total[5m]))", "captures"),
           ("sum(rate(splitflash_verify_graph_capture_seconds_total[5m]))", "capture s/s"),
           unit="ops"),

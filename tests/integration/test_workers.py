@@ -240,3 +240,16 @@ def test_oversized_batch_and_wrong_socket_message_are_refused():
                 Open(request_id="a", deadline=deadline(), prompt_ids=[1], block_size=2),
                 timeout_s=CALL_S,
             )
+
+
+def test_batch_invariant_gauge_is_one_only_where_the_mode_is_in_force():
+    """The setting on a CPU engine changes nothing (the torch references run either way), so
+    the gauge an operator reads stays 0; on CUDA it is 1 (set from the same rule)."""
+    engine = tiny_engine(tiny_model())
+    engine.model.batch_invariant = True
+    settings = VerifySettings(bind=ANY_PORT, metrics_port=0, draft_addr="", batch_invariant=True)
+    with running(VerifyServer(settings, engine=engine, model_name="tiny")) as v:
+        value = v.metrics.registry.get_sample_value("splitflash_verify_batch_invariant")
+        assert value == 0.0
+    v.metrics.set_batch_invariant(True)
+    assert v.metrics.registry.get_sample_value("splitflash_verify_batch_invariant") == 1.0

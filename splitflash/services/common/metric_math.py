@@ -205,6 +205,12 @@ METRICS = MappingProxyType(
             "gauge", "1 once a CUDA graph capture failed: verify then runs every step eagerly "
             "(the error is in the verify log)."
         ),
+        "verify_batch_invariant": _d(
+            "gauge", "1 when verify steps run batch-invariant (VerifySettings.batch_invariant "
+            "on CUDA): a row's logits are the same bits in any step, so greedy speculative "
+            "output equals target-only output in bf16 too, at a cost in speed. 0 = the fast "
+            "kernels, where a near tie of the target's top two logits can flip."
+        ),
         "verify_graph_captures": _d(
             "counter", "CUDA graphs verify captured while serving (a new padded batch, block "
             "length or KV bucket). Each stalls its step (warm-up forwards, autotuning, "

@@ -186,6 +186,7 @@ class VerifyMetrics:
     verify_kv_bytes_read: Counter
     verify_forwards: Counter
     verify_graph_capture_failed: Gauge
+    verify_batch_invariant: Gauge
     verify_graph_captures: Counter
     verify_graph_capture_seconds: Counter
     kv_pages_used: Gauge

@@ -45,6 +45,9 @@ class VerifyServerMetrics:
     def add_busy(self, seconds: float) -> None:
         self.bundle.common.service_busy_seconds.inc(seconds)
 
+    def set_batch_invariant(self, in_force: bool) -> None:
+        self.bundle.verify_batch_invariant.set(int(in_force))
+
     def set_kv(self, used: int, total: int) -> None:
         self.bundle.kv_pages_used.set(used)
         self.bundle.kv_pages_total.set(total)

@@ -78,6 +78,9 @@ class VerifyServer:
         eos = engine.model.cfg.eos_token_ids
         self.stop_ids = frozenset(eos if stop_ids is None else stop_ids)
         self.metrics = build_verify_metrics()
+        # In force on CUDA only (the CPU path runs the torch references either way).
+        invariant = getattr(engine.model, "batch_invariant", False)
+        self.metrics.set_batch_invariant(invariant and engine.device.type == "cuda")
         self.stopping = threading.Event()
         self._ctx = zmq.Context()
         try:  # CURVE keys (none = plain TCP); a bad key or a busy port: a clear error
