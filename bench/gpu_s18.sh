@@ -56,29 +56,21 @@ if [ "$1" = profile ]; then  # round 6 (carry [".whl"]): where batch 8's invaria
   done
   exit 0
 fi
-mkdir -p "$HOME/m" && cp ".model/$1"/* "$HOME/m/" || exit 1
-[ "$1" = b ] && exit 0
-if [ "$1" = a ]; then
-  timeout 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-    tests/unit/test_kernels_paged_invariant.py tests/unit/test_batch_invariant.py \
-    tests/unit/test_kernels_fused_linear.py tests/unit/test_verify_graphs.py \
-    tests/unit/test_draft_graph_appends.py 2>&1 \
-    | grep -E "fast kernels|passed|failed|Error|assert" | tail -20
-  timeout 90 python3 -m bench.invariant_sweep --ab --out "$OUT/invariant_ab_h200.json" 2>&1 \
-    | grep -v Warn
-  for i in 1 2; do
-    for inv in "" --batch-invariant; do
-      timeout 110 python3 -m bench.verify_step --contexts 512 32768 185000 --q-lens 16 1 \
-        --reps 50 $inv --json-out "$OUT/verify_step${inv:+_invariant}_$i.json" 2>&1 \
-        | grep -E "^ +(512|32768|185000) " | sed "s/^/${inv:-fast} /"
-    done
+# Calls b and c are session 17's (the model's other thirds, then long_context fast and
+# batch-invariant side by side): bench/gpu_s17b.sh.
+[ "$1" = a ] || exec bash bench/gpu_s17b.sh "$1"
+mkdir -p "$HOME/m" && cp .model/a/* "$HOME/m/" || exit 1
+timeout 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+  tests/unit/test_kernels_paged_invariant.py tests/unit/test_batch_invariant.py \
+  tests/unit/test_kernels_fused_linear.py tests/unit/test_verify_graphs.py \
+  tests/unit/test_draft_graph_appends.py 2>&1 \
+  | grep -E "fast kernels|passed|failed|Error|assert" | tail -20
+timeout 90 python3 -m bench.invariant_sweep --ab --out "$OUT/invariant_ab_h200.json" 2>&1 \
+  | grep -v Warn
+for i in 1 2; do
+  for inv in "" --batch-invariant; do
+    timeout 110 python3 -m bench.verify_step --contexts 512 32768 185000 --q-lens 16 1 \
+      --reps 50 $inv --json-out "$OUT/verify_step${inv:+_invariant}_$i.json" 2>&1 \
+      | grep -E "^ +(512|32768|185000) " | sed "s/^/${inv:-fast} /"
   done
-  exit 0
-fi
-cat "$HOME"/m/part-* > "$HOME/m/model.gguf" && sha256sum "$HOME/m/model.gguf"
-timeout ${LC_TIMEOUT:-480} python3 -m bench.long_context --device cuda \
-  --target "$HOME/m/model.gguf" --contexts ${LC_CONTEXTS:-1400 8192 32768 185000} \
-  --windows checkpoint --invariant off on --max-tokens 128 \
-  --json-out "$OUT/long_context_invariant_h200.json" > "$OUT/long_context_invariant.log" 2>&1
-echo "rc $?"
-grep -E "^ctx|differs|LOSSY|Error|error" "$OUT/long_context_invariant.log" | tail -30
+done
