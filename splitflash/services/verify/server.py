@@ -79,9 +79,9 @@ class VerifyServer:
         self.stop_ids = frozenset(eos if stop_ids is None else stop_ids)
         self.metrics = build_verify_metrics()
         # In force on CUDA only (the CPU path runs the torch references either way).
-        self.metrics.set_batch_invariant(
-            engine.model.batch_invariant and engine.device.type == "cuda"
-        )
+        # (a TP engine's RankZeroModel has no such flag: the mode is refused with tp_size > 1)
+        invariant = getattr(engine.model, "batch_invariant", False)
+        self.metrics.set_batch_invariant(invariant and engine.device.type == "cuda")
         self.stopping = threading.Event()
         self._ctx = zmq.Context()
         try:  # CURVE keys (none = plain TCP); a bad key or a busy port: a clear error
