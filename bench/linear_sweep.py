@@ -6,8 +6,11 @@ norm+qkv (576 -> 960), o_proj+residual (576 -> 576), norm+gate_up+SwiGLU (576 ->
 down+residual (1536 -> 576). Each variant is timed as a chain of `--chain` dependent launches
 captured in one CUDA graph (as in a verify step, where every kernel waits for the one before):
 time per link = graph replay time / chain length, median of `--reps` replays.
+`--invariant`: the batch-invariant launches (64-row tiles, one config for every M), timed at
+each of `--rows` (e.g. 16 128: one block, eight).
 
     python -m bench.linear_sweep --json-out linear_sweep.json
+    python -m bench.linear_sweep --invariant --rows 16 128 --json-out linear_sweep_inv.json
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ SHAPES = {  # name: (K, N, kind)
 }
 CONFIGS = [(bn, bk, w, s) for bn, bk, (w, s) in
            itertools.product((16, 32), (64, 128, 256), ((4, 3), (2, 2), (4, 4)))]  # fmt: skip
+INVARIANT_CONFIGS = [
+    (bn, bk, w, s)
+    for bn, bk, (w, s) in itertools.product((32, 64, 128), (64, 128), ((4, 3), (4, 4), (8, 3)))
+]
 
 
 def _chain_us(step, chain: int, reps: int) -> float:
@@ -48,7 +55,7 @@ def _chain_us(step, chain: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _steps(name: str, m: int):
+def _steps(name: str, m: int, invariant: bool = False):
     """(unfused step, fused step(config)) for one shape; each reads the last output, so the
     links of a chain depend on each other."""
     import torch
@@ -71,7 +78,7 @@ def _steps(name: str, m: int):
             return res + F.linear(x, w)
 
         def fused(cfg):
-            return linear_residual_triton(x, w, res, config=cfg)
+            return linear_residual_triton(x, w, res, config=cfg, invariant=invariant)
     else:
 
         def unfused():
@@ -79,7 +86,7 @@ def _steps(name: str, m: int):
             return y if hidden is None else silu_mul_triton(y, hidden)
 
         def fused(cfg):
-            return norm_linear_triton(x, nw, 1e-5, w, hidden, config=cfg)
+            return norm_linear_triton(x, nw, 1e-5, w, hidden, config=cfg, invariant=invariant)
 
     return unfused, fused
 
@@ -88,33 +95,44 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     p = argparse.ArgumentParser(prog="python -m bench.linear_sweep", description=__doc__)
-    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--rows", type=int, nargs="+", default=[16])
+    p.add_argument("--invariant", action="store_true", help="64-row batch-invariant tiles")
     p.add_argument("--chain", type=int, default=60)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.linear_sweep needs a CUDA GPU")
+    from splitflash.kernels.fused_linear import invariant_config, launch_config
+
+    configs = INVARIANT_CONFIGS if args.invariant else CONFIGS
     rows = []
-    for name in SHAPES:
-        unfused, fused = _steps(name, args.rows)
-        base = _chain_us(unfused, args.chain, args.reps)
-        rows.append(dict(shape=name, variant="unfused", config=None, us=base))
-        results = []
-        for cfg in CONFIGS:
-            try:
-                us = _chain_us(lambda c=cfg, f=fused: f(c), args.chain, args.reps)
-            except Exception as exc:  # a config that does not compile: say which, go on
-                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
-            results.append((us, cfg))
-            rows.append(dict(shape=name, variant="fused", config=cfg, us=us))
-        results.sort()
-        best = ", ".join(f"{c} {u:.2f}" for u, c in results[:4])
-        print(f"{name:13s} unfused {base:6.2f} us/link | fused best: {best}", flush=True)
+    for m in args.rows:
+        for name in SHAPES:
+            unfused, fused = _steps(name, m, args.invariant)
+            base = _chain_us(unfused, args.chain, args.reps)
+            rows.append(dict(rows_m=m, shape=name, variant="unfused", config=None, us=base))
+            k = SHAPES[name][0]
+            shipped = invariant_config(k) if args.invariant else launch_config(k)
+            results = []
+            for cfg in configs:
+                try:
+                    us = _chain_us(lambda c=cfg, f=fused: f(c), args.chain, args.reps)
+                except Exception as exc:  # a config that does not compile: say which, go on
+                    print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                results.append((us, cfg))
+                rows.append(dict(rows_m=m, shape=name, variant="fused", config=cfg, us=us,
+                                 shipped=cfg == shipped))  # fmt: skip
+            results.sort()
+            best = ", ".join(f"{c} {u:.2f}" for u, c in results[:4])
+            mine = next((f"{u:.2f}" for u, c in results if c == shipped), "-")
+            print(f"M {m:4d} {name:13s} unfused {base:6.2f} us/link | shipped {shipped} {mine}"
+                  f" | best: {best}", flush=True)  # fmt: skip
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"rows_m": args.rows, "chain": args.chain, "results": rows}, f, indent=2)
+            json.dump({"invariant": args.invariant, "chain": args.chain, "results": rows}, f,
+                      indent=2)  # fmt: skip
     return 0
 
 

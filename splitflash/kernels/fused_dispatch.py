@@ -110,7 +110,7 @@ def norm_linear(
     if fused:
         from splitflash.kernels.fused_linear import norm_linear_triton
 
-        return norm_linear_triton(x, norm_weight, eps, weight, swiglu_hidden)
+        return norm_linear_triton(x, norm_weight, eps, weight, swiglu_hidden, invariant=any_rows)
     y = F.linear(rms_norm(x, norm_weight, eps), weight)
     return y if swiglu_hidden is None else silu_mul(y, swiglu_hidden)
 
@@ -128,5 +128,5 @@ def linear_residual(
     if fused:
         from splitflash.kernels.fused_linear import linear_residual_triton
 
-        return linear_residual_triton(a, weight, residual)
+        return linear_residual_triton(a, weight, residual, invariant=any_rows)
     return residual + F.linear(a, weight)

@@ -44,6 +44,15 @@ MAX_M = 64  # rows these kernels take; more rows amortise a cuBLAS launch anyway
 # wider layers would be better served by cuBLAS's split-K tiles.
 MAX_K = 2048
 BLOCK_M = 16  # the smallest tl.dot tile; a 16-token block is one row tile
+# Batch-invariant steps (kernels/fused_dispatch.py, any_rows) take every M through one tile
+# shape, so a row's MMA instruction and K order never depend on the batch. 64 rows is the
+# Hopper warpgroup MMA's tile: a batch of 8 blocks (M = 128) is two row tiles, where 16-row
+# tiles re-read every weight tile from L2 eight times (0.6 ms of the invariant batch-8 step
+# at 32k, bench/RESULTS.md).
+INVARIANT_BLOCK_M = 64
+# The row tile's RMSNorm statistics in chunks of this many columns at 64 rows (whole rows of
+# 64 x 1024 fp32 would not fit in registers).
+INVARIANT_NORM_CHUNK = 128
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out_cols: int | None = None) -> None:
@@ -120,7 +129,7 @@ def _norm_linear_kernel(
     out_ptr,  # [M, N] contiguous
     M, N, K, stride_x, stride_w, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_ROW: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    NORM_CHUNK: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     SWIGLU: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     n0 = tl.program_id(0) * BLOCK_N
@@ -133,12 +142,15 @@ def _norm_linear_kernel(
 
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    # The rows' mean square from one load of whole rows (BLOCK_ROW = next_pow2(K)): kept out
-    # of the K loop, whose operands then stream straight into the MMA (a loop that built its
-    # operand in registers measured ~2x slower on the H200).
-    x = _load_rows(x_ptr, rows, row_ok, stride_x, tl.arange(0, BLOCK_ROW), K, False)
-    x = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)[:, None]  # [BLOCK_M, 1]
+    # The rows' mean square, kept out of the K loop, whose operands then stream straight into
+    # the MMA (a loop that built its operand in registers measured ~2x slower on the H200):
+    # one load of whole rows when NORM_CHUNK >= K (16-row tiles), else chunk by chunk.
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for c0 in range(0, K, NORM_CHUNK):
+        x = _load_rows(x_ptr, rows, row_ok, stride_x, c0 + tl.arange(0, NORM_CHUNK), K, False)
+        x = x.to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    inv = tl.rsqrt(ss / K + eps)[:, None]  # [BLOCK_M, 1]
     wrows = n0 + tl.arange(0, BLOCK_N)
     w_ok = wrows < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -222,10 +234,18 @@ def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
     return (16, 64, 4, 4) if k <= 1024 else (32, 256, 4, 3)
 
 
-def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None) -> dict:
-    block_n, block_k, warps, stages = launch_config(k, config)
+def invariant_config(k: int) -> LinearConfig:
+    """The fixed tile config of batch-invariant launches (INVARIANT_BLOCK_M rows), by K only:
+    never by M, nor by environment (a config is part of a row's rounding)."""
+    return (64, 64, 4, 3) if k <= 1024 else (64, 128, 4, 3)
+
+
+def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None, invariant: bool) -> dict:
+    block_m = INVARIANT_BLOCK_M if invariant else BLOCK_M
+    config = (config or invariant_config(k)) if invariant else launch_config(k, config)
+    block_n, block_k, warps, stages = config
     line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                 num_stages=stages, LINE_ELEMS=line_elems,
                 LINES=next_pow2(-(-k // line_elems)))  # fmt: skip
 
@@ -262,6 +282,7 @@ def norm_linear_triton(
     weight: torch.Tensor,  # [N, K]; SwiGLU: [2I, K]
     swiglu_hidden: int | None = None,
     config: LinearConfig | None = None,
+    invariant: bool = False,  # one tile shape for every M (INVARIANT_BLOCK_M rows)
 ) -> torch.Tensor:  # [M, N] or [M, I], x's dtype
     """Same contract as norm_linear_ref, for inputs that `fits`."""
     _check(x, weight, swiglu_hidden)
@@ -271,12 +292,13 @@ def norm_linear_triton(
     m, k = x.shape
     n = weight.shape[0] if swiglu_hidden is None else swiglu_hidden
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    meta = _tile_meta(weight, k, config)
-    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, BLOCK_M))
+    meta = _tile_meta(weight, k, config, invariant)
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
     folded = fold_norm_weight(weight, norm_weight)
+    chunk = INVARIANT_NORM_CHUNK if invariant else max(16, next_pow2(k))
     _norm_linear_kernel[grid](
         x, folded, out, m, n, k, x.stride(0), folded.stride(0), float(eps),
-        SWIGLU=swiglu_hidden is not None, BLOCK_ROW=max(16, next_pow2(k)), **meta,
+        SWIGLU=swiglu_hidden is not None, NORM_CHUNK=chunk, **meta,
         **_precision(x), **pdl_launch(x.device),
     )  # fmt: skip
     return out
@@ -287,6 +309,7 @@ def linear_residual_triton(
     weight: torch.Tensor,  # [N, K]
     residual: torch.Tensor,  # [M, N], a's dtype
     config: LinearConfig | None = None,
+    invariant: bool = False,  # one tile shape for every M (INVARIANT_BLOCK_M rows)
 ) -> torch.Tensor:  # residual + a @ weight.T, [M, N]
     """Same contract as linear_residual_ref, for inputs that `fits`."""
     _check(a, weight)
@@ -297,8 +320,8 @@ def linear_residual_triton(
                          f"strides and residual [M, N]; got a {tuple(a.shape)}, weight "
                          f"{tuple(weight.shape)}, residual {tuple(residual.shape)}")  # fmt: skip
     out = torch.empty((m, n), device=a.device, dtype=residual.dtype)
-    meta = _tile_meta(weight, k, config)
-    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, BLOCK_M))
+    meta = _tile_meta(weight, k, config, invariant)
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
     _linear_residual_kernel[grid](
         a, weight, residual, out, m, n, k, a.stride(0), weight.stride(0), residual.stride(0),
         **meta, **_precision(a), **pdl_launch(a.device),

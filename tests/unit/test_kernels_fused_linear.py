@@ -60,24 +60,25 @@ def norm_oracle(x, norm_w, w, swiglu_hidden=None):
     return g * torch.sigmoid(g) * u
 
 
-def run_norm_linear(dtype, m, k, n, swiglu):
+def run_norm_linear(dtype, m, k, n, swiglu, invariant=False):
     from splitflash.kernels.fused_linear import norm_linear_triton
 
     x, norm_w, w, _ = make_case(m, k, n, dtype, seed=m * k + n)
     hidden = n // 2 if swiglu else None
     w = w[: 2 * hidden] if swiglu else w  # odd N: gate and up of n // 2 columns each
-    got = norm_linear_triton(x, norm_w, EPS, w, hidden)
+    got = norm_linear_triton(x, norm_w, EPS, w, hidden, invariant=invariant)
     low = norm_linear_ref(x, norm_w, EPS, w, hidden)
-    check(got, low, norm_oracle(x, norm_w, w, hidden), dtype, ("norm_linear", swiglu))
+    what = ("norm_linear", swiglu, invariant)
+    check(got, low, norm_oracle(x, norm_w, w, hidden), dtype, what)
 
 
-def run_linear_residual(dtype, m, k, n):
+def run_linear_residual(dtype, m, k, n, invariant=False):
     from splitflash.kernels.fused_linear import linear_residual_triton
 
     x, _, w, res = make_case(m, k, n, dtype, seed=m + k * n)
-    got = linear_residual_triton(x, w, res)
+    got = linear_residual_triton(x, w, res, invariant=invariant)
     want = res.double().cpu() + x.double().cpu() @ w.double().cpu().T
-    check(got, linear_residual_ref(x, w, res), want, dtype, "linear_residual")
+    check(got, linear_residual_ref(x, w, res), want, dtype, ("linear_residual", invariant))
 
 
 @needs_triton
@@ -95,13 +96,47 @@ def test_linear_residual_kernel_matches_oracle(m, k, n, dtype):
     run_linear_residual(dtype, m, k, n)
 
 
+# Batch-invariant launches (64-row tiles, chunked norm statistics): the default model's
+# layers, every tile padded, and more rows than one tile.
+INVARIANT_CASES = [(7, 576, 960), (5, 13, 17), (130, 1536, 576), (16, 576, 3072)]
+INVARIANT_IDS = ["x".join(map(str, c)) for c in INVARIANT_CASES]
+
+
+@needs_triton
+@DTYPES
+@pytest.mark.parametrize("m,k,n", INVARIANT_CASES, ids=INVARIANT_IDS)
+def test_invariant_tiles_match_oracle(m, k, n, dtype):
+    run_norm_linear(dtype, m, k, n, swiglu=n % 2 == 0, invariant=True)
+    run_linear_residual(dtype, m, k, n, invariant=True)
+
+
+@needs_triton
+def test_invariant_rows_are_the_same_bits_whatever_m():
+    """A row's output under the invariant tiles does not depend on how many rows come with
+    it (a decode step, a verify block, a batch of blocks). Rows keep their place in the
+    64-row tile here, so the interpreter's numpy products see the same shapes too."""
+    from splitflash.kernels.fused_linear import linear_residual_triton, norm_linear_triton
+
+    x, norm_w, w, res = make_case(130, 576, 192, torch.float32, seed=3)
+    a, w_res = x[:, :192].contiguous(), w[:, :192].contiguous()  # [130, 192], [192, 192]
+    full_norm = norm_linear_triton(x, norm_w, EPS, w, 96, invariant=True)  # SwiGLU: [130, 96]
+    full_res = linear_residual_triton(a, w_res, res, invariant=True)  # [130, 192]
+    for m in (1, 16, 64, 65):
+        part = norm_linear_triton(x[:m], norm_w, EPS, w, 96, invariant=True)
+        assert torch.equal(part, full_norm[:m]), m
+        part = linear_residual_triton(a[:m], w_res, res[:m], invariant=True)
+        assert torch.equal(part, full_res[:m]), m
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("m,k,n", CASES, ids=IDS)
 def test_fused_linear_kernels_match_oracle_bf16_gpu(m, k, n):
     for swiglu in (False, True):
-        run_norm_linear(torch.bfloat16, m, k, n, swiglu)
-    run_linear_residual(torch.bfloat16, m, k, n)
+        for invariant in (False, True):
+            run_norm_linear(torch.bfloat16, m, k, n, swiglu, invariant)
+    for invariant in (False, True):
+        run_linear_residual(torch.bfloat16, m, k, n, invariant)
 
 
 def test_references_are_the_model_ops_and_reject_bad_shapes():
