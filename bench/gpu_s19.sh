@@ -3,8 +3,9 @@
 #   bash bench/gpu_s19.sh sweep   the batch-invariant linears' 64-row tile configs at M 16 and
 #                                 128 (bench.linear_sweep --invariant), the launch-chain floor
 #                                 (bench.launch_floor), the GPU tests of both
-#   bash bench/gpu_s19.sh step    GPU tests, then the verify step fast / batch-invariant
-#                                 alternated twice, batch 1 and 8
+#   bash bench/gpu_s19.sh step    GPU tests, the fast 16-row tiles' sweep at M 16 (to set
+#                                 beside the 64-row one), the verify step fast /
+#                                 batch-invariant alternated twice, batch 1 and 8
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=$PWD:/tmp/site
@@ -24,6 +25,8 @@ if [ "$1" = sweep ]; then
 fi
 if [ "$1" = step ]; then
   tests 200
+  timeout 120 python3 -m bench.linear_sweep --rows 16 \
+    --json-out "$OUT/linear_sweep_fast_s19_h200.json" 2>&1 | grep -v Warn
   for i in 1 2; do
     for inv in "" --batch-invariant; do
       timeout 100 python3 -m bench.verify_step --contexts 512 32768 185000 --q-lens 16 1 \

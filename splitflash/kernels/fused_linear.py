@@ -211,6 +211,11 @@ def _linear_residual_kernel(
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of one launch.
 LinearConfig = tuple[int, int, int, int]
+# The one tile config of batch-invariant launches (INVARIANT_BLOCK_M rows): never chosen by M,
+# K or environment, since a config is part of a row's rounding. The H200 sweep
+# (`bench.linear_sweep --invariant --rows 16 128`, bench/RESULTS.md) found it best, or within
+# 0.1 us of the best, for each of the default model's four layers at both M.
+INVARIANT_CONFIG: LinearConfig = (32, 128, 4, 3)
 
 
 def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
@@ -234,15 +239,9 @@ def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
     return (16, 64, 4, 4) if k <= 1024 else (32, 256, 4, 3)
 
 
-def invariant_config(k: int) -> LinearConfig:
-    """The fixed tile config of batch-invariant launches (INVARIANT_BLOCK_M rows), by K only:
-    never by M, nor by environment (a config is part of a row's rounding)."""
-    return (64, 64, 4, 3) if k <= 1024 else (64, 128, 4, 3)
-
-
 def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None, invariant: bool) -> dict:
     block_m = INVARIANT_BLOCK_M if invariant else BLOCK_M
-    config = (config or invariant_config(k)) if invariant else launch_config(k, config)
+    config = (config or INVARIANT_CONFIG) if invariant else launch_config(k, config)
     block_n, block_k, warps, stages = config
     line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
