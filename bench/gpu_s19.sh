@@ -40,5 +40,19 @@ if [ "$1" = step ]; then
   done
   exit 0
 fi
-echo "usage: bash bench/gpu_s19.sh sweep|step" >&2
+if [ "$1" = tiles ]; then  # TEMPORARY: invariant row tiles 64 / 16 / hybrid (16 when M <= 16)
+  timeout 100 python3 bench/mma_probe.py 2>&1 | grep -v Warn | tail -12
+  SPLITFLASH_INV_TILE=hybrid timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+    tests/unit/test_batch_invariant.py 2>&1 | grep -E "passed|failed|Error|assert" | tail -5
+  for i in 1 2; do
+    for t in 64 16 hybrid; do
+      SPLITFLASH_INV_TILE=$t timeout 100 python3 -m bench.verify_step --contexts 512 32768 \
+        185000 --q-lens 16 1 --reps 50 --batch-invariant \
+        --json-out "$OUT/verify_step_s19_tile${t}_b1_$i.json" 2>&1 \
+        | grep -E "^ +(512|32768|185000) " | sed "s/^/tile $t /"
+    done
+  done
+  exit 0
+fi
+echo "usage: bash bench/gpu_s19.sh sweep|step|tiles" >&2
 exit 2

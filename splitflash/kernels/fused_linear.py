@@ -239,8 +239,12 @@ def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
     return (16, 64, 4, 4) if k <= 1024 else (32, 256, 4, 3)
 
 
-def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None, invariant: bool) -> dict:
+def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None, invariant: bool,
+               m: int = 16) -> dict:  # fmt: skip
     block_m = INVARIANT_BLOCK_M if invariant else BLOCK_M
+    tile = os.environ.get("SPLITFLASH_INV_TILE", "64")  # TEMPORARY A/B (session 19)
+    if invariant and (tile == "16" or (tile == "hybrid" and m <= 16)):
+        block_m = 16
     config = (config or INVARIANT_CONFIG) if invariant else launch_config(k, config)
     block_n, block_k, warps, stages = config
     line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
@@ -291,7 +295,7 @@ def norm_linear_triton(
     m, k = x.shape
     n = weight.shape[0] if swiglu_hidden is None else swiglu_hidden
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    meta = _tile_meta(weight, k, config, invariant)
+    meta = _tile_meta(weight, k, config, invariant, m)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
     folded = fold_norm_weight(weight, norm_weight)
     chunk = INVARIANT_NORM_CHUNK if invariant else max(16, next_pow2(k))
@@ -319,7 +323,7 @@ def linear_residual_triton(
                          f"strides and residual [M, N]; got a {tuple(a.shape)}, weight "
                          f"{tuple(weight.shape)}, residual {tuple(residual.shape)}")  # fmt: skip
     out = torch.empty((m, n), device=a.device, dtype=residual.dtype)
-    meta = _tile_meta(weight, k, config, invariant)
+    meta = _tile_meta(weight, k, config, invariant, m)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
     _linear_residual_kernel[grid](
         a, weight, residual, out, m, n, k, a.stride(0), weight.stride(0), residual.stride(0),
