@@ -6,6 +6,10 @@
 #   bash bench/gpu_s19.sh step    GPU tests, the fast 16-row tiles' sweep at M 16 (to set
 #                                 beside the 64-row one), the verify step fast /
 #                                 batch-invariant alternated twice, batch 1 and 8
+#   (call 3 measured invariant row tiles of 64 / 16 / 16-up-to-M-16 with a temporary toggle:
+#    commit 3d4dcee, `bash bench/gpu_s19.sh tiles`)
+#   bash bench/gpu_s19.sh final 1 the shipped tiles (16 rows up to M 16, else 64): GPU tests,
+#                                 fast / batch-invariant once, batch 1 and 8
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=$PWD:/tmp/site
@@ -23,36 +27,23 @@ if [ "$1" = sweep ]; then
   tests 200
   exit 0
 fi
-if [ "$1" = step ]; then
+if [ "$1" = step ] || [ "$1" = final ]; then
   tests 200
-  timeout 120 python3 -m bench.linear_sweep --rows 16 \
+  [ "$1" = step ] && timeout 120 python3 -m bench.linear_sweep --rows 16 \
     --json-out "$OUT/linear_sweep_fast_s19_h200.json" 2>&1 | grep -v Warn
-  for i in 1 2; do
+  tag=$([ "$1" = final ] && echo _final)
+  for i in $(seq 1 "${2:-2}"); do
     for inv in "" --batch-invariant; do
       timeout 100 python3 -m bench.verify_step --contexts 512 32768 185000 --q-lens 16 1 \
-        --reps 50 $inv --json-out "$OUT/verify_step_s19${inv:+_invariant}_b1_$i.json" 2>&1 \
+        --reps 50 $inv --json-out "$OUT/verify_step_s19$tag${inv:+_invariant}_b1_$i.json" 2>&1 \
         | grep -E "^ +(512|32768|185000) " | sed "s/^/${inv:-fast} /"
       timeout 100 python3 -m bench.verify_step --contexts 32768 131072 --batches 8 \
         --q-lens 16 --reps 30 $inv \
-        --json-out "$OUT/verify_step_s19${inv:+_invariant}_b8_$i.json" 2>&1 \
+        --json-out "$OUT/verify_step_s19$tag${inv:+_invariant}_b8_$i.json" 2>&1 \
         | grep -E "^ +(32768|131072) " | sed "s/^/${inv:-fast} /"
     done
   done
   exit 0
 fi
-if [ "$1" = tiles ]; then  # TEMPORARY: invariant row tiles 64 / 16 / hybrid (16 when M <= 16)
-  timeout 100 python3 bench/mma_probe.py 2>&1 | grep -v Warn | tail -12
-  SPLITFLASH_INV_TILE=hybrid timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
-    tests/unit/test_batch_invariant.py 2>&1 | grep -E "passed|failed|Error|assert" | tail -5
-  for i in 1 2; do
-    for t in 64 16 hybrid; do
-      SPLITFLASH_INV_TILE=$t timeout 100 python3 -m bench.verify_step --contexts 512 32768 \
-        185000 --q-lens 16 1 --reps 50 --batch-invariant \
-        --json-out "$OUT/verify_step_s19_tile${t}_b1_$i.json" 2>&1 \
-        | grep -E "^ +(512|32768|185000) " | sed "s/^/tile $t /"
-    done
-  done
-  exit 0
-fi
-echo "usage: bash bench/gpu_s19.sh sweep|step|tiles" >&2
+echo "usage: bash bench/gpu_s19.sh sweep|step|final 1" >&2
 exit 2

@@ -45,10 +45,13 @@ MAX_M = 64  # rows these kernels take; more rows amortise a cuBLAS launch anyway
 MAX_K = 2048
 BLOCK_M = 16  # the smallest tl.dot tile; a 16-token block is one row tile
 # Batch-invariant steps (kernels/fused_dispatch.py, any_rows) take every M through one tile
-# shape, so a row's MMA instruction and K order never depend on the batch. 64 rows is the
-# Hopper warpgroup MMA's tile: a batch of 8 blocks (M = 128) is two row tiles, where 16-row
-# tiles re-read every weight tile from L2 eight times (0.6 ms of the invariant batch-8 step
-# at 32k, bench/RESULTS.md).
+# config (INVARIANT_CONFIG), so a row's K order never depends on the batch. Rows: 16 up to
+# one verify block, else 64, the Hopper warpgroup MMA's tile: a batch of 8 blocks (M = 128)
+# is then two row tiles, where 16-row tiles re-read every weight tile from L2 eight times.
+# Measured on the H200 (bench/RESULTS.md): the invariant batch-8 step at 32k 5.62 -> 4.93 ms;
+# at batch 1, 64-row tiles would cost 0.07 ms a step. The two tile heights run different MMA
+# instructions (mma.sync, wgmma) over the same K chunks; they gave the same bits in every
+# probe, and tests/unit/test_kernels_fused_linear.py checks it on the GPU.
 INVARIANT_BLOCK_M = 64
 # The row tile's RMSNorm statistics in chunks of this many columns at 64 rows (whole rows of
 # 64 x 1024 fp32 would not fit in registers).
@@ -240,11 +243,8 @@ def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
 
 
 def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None, invariant: bool,
-               m: int = 16) -> dict:  # fmt: skip
-    block_m = INVARIANT_BLOCK_M if invariant else BLOCK_M
-    tile = os.environ.get("SPLITFLASH_INV_TILE", "64")  # TEMPORARY A/B (session 19)
-    if invariant and (tile == "16" or (tile == "hybrid" and m <= 16)):
-        block_m = 16
+               m: int) -> dict:  # fmt: skip
+    block_m = BLOCK_M if not invariant or m <= BLOCK_M else INVARIANT_BLOCK_M
     config = (config or INVARIANT_CONFIG) if invariant else launch_config(k, config)
     block_n, block_k, warps, stages = config
     line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line

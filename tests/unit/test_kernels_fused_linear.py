@@ -110,22 +110,37 @@ def test_invariant_tiles_match_oracle(m, k, n, dtype):
     run_linear_residual(dtype, m, k, n, invariant=True)
 
 
-@needs_triton
-def test_invariant_rows_are_the_same_bits_whatever_m():
-    """A row's output under the invariant tiles does not depend on how many rows come with
-    it (a decode step, a verify block, a batch of blocks). Rows keep their place in the
-    64-row tile here, so the interpreter's numpy products see the same shapes too."""
+def check_rows_invariant(dtype, seed, pairs):
+    """Each (m, full): the first m rows of a launch on `full` rows are the same bits as a
+    launch on those m rows alone (a decode step, a verify block, a batch of blocks)."""
     from splitflash.kernels.fused_linear import linear_residual_triton, norm_linear_triton
 
-    x, norm_w, w, res = make_case(130, 576, 192, torch.float32, seed=3)
+    x, norm_w, w, res = make_case(130, 576, 192, dtype, seed=seed)
     a, w_res = x[:, :192].contiguous(), w[:, :192].contiguous()  # [130, 192], [192, 192]
-    full_norm = norm_linear_triton(x, norm_w, EPS, w, 96, invariant=True)  # SwiGLU: [130, 96]
-    full_res = linear_residual_triton(a, w_res, res, invariant=True)  # [130, 192]
-    for m in (1, 16, 64, 65):
-        part = norm_linear_triton(x[:m], norm_w, EPS, w, 96, invariant=True)
-        assert torch.equal(part, full_norm[:m]), m
-        part = linear_residual_triton(a[:m], w_res, res[:m], invariant=True)
-        assert torch.equal(part, full_res[:m]), m
+    for m, full in pairs:
+        for part, whole in (
+            (norm_linear_triton(x[:m], norm_w, EPS, w, 96, invariant=True),  # SwiGLU
+             norm_linear_triton(x[:full], norm_w, EPS, w, 96, invariant=True)),
+            (linear_residual_triton(a[:m], w_res, res[:m], invariant=True),
+             linear_residual_triton(a[:full], w_res, res[:full], invariant=True)),
+        ):  # fmt: skip
+            assert torch.equal(part, whole[:m]), (m, full, (part - whole[:m]).abs().max())
+
+
+@needs_triton
+def test_invariant_rows_are_the_same_bits_whatever_m():
+    """Within one tile height (16 rows up to M 16, 64 above). Rows keep their place in the
+    tile here, so the interpreter's numpy products see the same shapes too."""
+    check_rows_invariant(torch.float32, 3, [(1, 16), (17, 130), (64, 130), (65, 130)])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_invariant_rows_same_bits_across_tile_heights_bf16_gpu(seed):
+    """Across the two tile heights, whose MMA instructions differ on Hopper (mma.sync for 16
+    rows, wgmma for 64): the batch-invariant mode relies on their giving the same bits."""
+    check_rows_invariant(torch.bfloat16, seed, [(1, 130), (16, 17), (16, 130), (64, 130)])
 
 
 @pytest.mark.gpu
