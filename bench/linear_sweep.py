@@ -31,7 +31,7 @@ CONFIGS = [(bn, bk, w, s) for bn, bk, (w, s) in
 INVARIANT_CONFIGS = [
     (bn, bk, w, s)
     for bn, bk, (w, s) in itertools.product((32, 64, 128), (64, 128), ((4, 3), (4, 4), (8, 3)))
-]
+] + [(16, 64, 4, 4), (32, 256, 4, 3), (16, 128, 4, 3), (32, 64, 4, 4)]  # the fast path's picks
 
 
 def _chain_us(step, chain: int, reps: int) -> float:
