@@ -214,11 +214,13 @@ def _linear_residual_kernel(
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of one launch.
 LinearConfig = tuple[int, int, int, int]
-# The one tile config of batch-invariant launches (INVARIANT_BLOCK_M rows): never chosen by M,
-# K or environment, since a config is part of a row's rounding. The H200 sweep
-# (`bench.linear_sweep --invariant --rows 16 128`, bench/RESULTS.md) found it best, or within
-# 0.1 us of the best, for each of the default model's four layers at both M.
+# The tile configs of batch-invariant launches, by K (a property of the layer): never chosen
+# by M or environment, since a config is part of a row's rounding. H200 sweeps
+# (`bench.linear_sweep --invariant --rows 1 16 128`, bench/RESULTS.md): (32, 128, 4, 3) best
+# or within 0.1 us of it for every layer at M 16 and 128; at K 1536 (down) 256-wide K steps
+# take 1.1 us off its 4.5 at M 1.
 INVARIANT_CONFIG: LinearConfig = (32, 128, 4, 3)
+INVARIANT_CONFIG_WIDE_K: LinearConfig = (32, 256, 4, 3)  # K > 1024
 
 
 def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
@@ -245,7 +247,10 @@ def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
 def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None, invariant: bool,
                m: int) -> dict:  # fmt: skip
     block_m = BLOCK_M if not invariant or m <= BLOCK_M else INVARIANT_BLOCK_M
-    config = (config or INVARIANT_CONFIG) if invariant else launch_config(k, config)
+    if invariant:
+        config = config or (INVARIANT_CONFIG if k <= 1024 else INVARIANT_CONFIG_WIDE_K)
+    else:
+        config = launch_config(k, config)
     block_n, block_k, warps, stages = config
     line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,

@@ -115,14 +115,16 @@ def check_rows_invariant(dtype, seed, pairs):
     launch on those m rows alone (a decode step, a verify block, a batch of blocks)."""
     from splitflash.kernels.fused_linear import linear_residual_triton, norm_linear_triton
 
-    x, norm_w, w, res = make_case(130, 576, 192, dtype, seed=seed)
-    a, w_res = x[:, :192].contiguous(), w[:, :192].contiguous()  # [130, 192], [192, 192]
+    x, norm_w, w, res = make_case(130, 1536, 192, dtype, seed=seed)  # w [192, 1536]
+    # The norm + SwiGLU kernel at K 576 (INVARIANT_CONFIG), the residual one at K 1536 (the
+    # wide-K config).
+    xn, nw, wn = x[:, :576].contiguous(), norm_w[:576], w[:, :576].contiguous()
     for m, full in pairs:
         for part, whole in (
-            (norm_linear_triton(x[:m], norm_w, EPS, w, 96, invariant=True),  # SwiGLU
-             norm_linear_triton(x[:full], norm_w, EPS, w, 96, invariant=True)),
-            (linear_residual_triton(a[:m], w_res, res[:m], invariant=True),
-             linear_residual_triton(a[:full], w_res, res[:full], invariant=True)),
+            (norm_linear_triton(xn[:m], nw, EPS, wn, 96, invariant=True),  # SwiGLU
+             norm_linear_triton(xn[:full], nw, EPS, wn, 96, invariant=True)),
+            (linear_residual_triton(x[:m], w, res[:m], invariant=True),
+             linear_residual_triton(x[:full], w, res[:full], invariant=True)),
         ):  # fmt: skip
             assert torch.equal(part, whole[:m]), (m, full, (part - whole[:m]).abs().max())
 
