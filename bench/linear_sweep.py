@@ -103,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.linear_sweep needs a CUDA GPU")
-    from splitflash.kernels.fused_linear import (
-        INVARIANT_CONFIG,
-        INVARIANT_CONFIG_WIDE_K,
-        launch_config,
-    )
+    from splitflash.kernels.fused_linear import invariant_config, launch_config
 
     configs = INVARIANT_CONFIGS if args.invariant else CONFIGS
     rows = []
@@ -117,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             base = _chain_us(unfused, args.chain, args.reps)
             rows.append(dict(rows_m=m, shape=name, variant="unfused", config=None, us=base))
             k = SHAPES[name][0]
-            shipped = (INVARIANT_CONFIG if k <= 1024 else INVARIANT_CONFIG_WIDE_K) if args.invariant else launch_config(k)
+            shipped = invariant_config(k) if args.invariant else launch_config(k)
             results = []
             for cfg in configs:
                 try:

@@ -223,6 +223,10 @@ INVARIANT_CONFIG: LinearConfig = (32, 128, 4, 3)
 INVARIANT_CONFIG_WIDE_K: LinearConfig = (32, 256, 4, 3)  # K > 1024
 
 
+def invariant_config(k: int) -> LinearConfig:
+    return INVARIANT_CONFIG if k <= 1024 else INVARIANT_CONFIG_WIDE_K
+
+
 def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
     """The tile config of a launch: `config` if given, else SPLITFLASH_LINEAR_CONFIG, else the
     H200 sweep's picks (bench/linear_sweep.py, bench/RESULTS.md; time per launch inside a
@@ -247,10 +251,7 @@ def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
 def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None, invariant: bool,
                m: int) -> dict:  # fmt: skip
     block_m = BLOCK_M if not invariant or m <= BLOCK_M else INVARIANT_BLOCK_M
-    if invariant:
-        config = config or (INVARIANT_CONFIG if k <= 1024 else INVARIANT_CONFIG_WIDE_K)
-    else:
-        config = launch_config(k, config)
+    config = (config or invariant_config(k)) if invariant else launch_config(k, config)
     block_n, block_k, warps, stages = config
     line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
