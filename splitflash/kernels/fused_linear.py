@@ -45,16 +45,17 @@ MAX_M = 64  # rows these kernels take; more rows amortise a cuBLAS launch anyway
 MAX_K = 2048
 BLOCK_M = 16  # the smallest tl.dot tile; a 16-token block is one row tile
 # Batch-invariant steps (kernels/fused_dispatch.py, any_rows) take every M through one tile
-# config (INVARIANT_CONFIG), so a row's K order never depends on the batch. Rows: 16 up to
-# one verify block, else 64, the Hopper warpgroup MMA's tile: a batch of 8 blocks (M = 128)
-# is then two row tiles, where 16-row tiles re-read every weight tile from L2 eight times.
-# Measured on the H200 (bench/RESULTS.md): the invariant batch-8 step at 32k 5.62 -> 4.93 ms;
-# at batch 1, 64-row tiles would cost 0.07 ms a step. The two tile heights run different MMA
-# instructions (mma.sync, wgmma) over the same K chunks; they gave the same bits in every
-# probe, and tests/unit/test_kernels_fused_linear.py checks it on the GPU.
+# config per layer (invariant_config), so a row's K order never depends on the batch. Rows:
+# 16 up to one verify block, else 64, the Hopper warpgroup MMA's tile: a batch of 8 blocks
+# (M = 128) is then two row tiles, where 16-row tiles re-read every weight tile from L2 eight
+# times. Measured on the H200 (bench/RESULTS.md): the invariant batch-8 step at 32k 5.62 ->
+# 4.93 ms; at batch 1, 64-row tiles would cost 0.03-0.08 ms a step. The two tile heights run
+# different MMA instructions (mma.sync, wgmma) over the same K chunks, and sum the norm's
+# squares over the same column chunks and layout; they gave the same bits in every probe,
+# and tests/unit/test_kernels_fused_linear.py checks it on the GPU.
 INVARIANT_BLOCK_M = 64
-# The row tile's RMSNorm statistics in chunks of this many columns at 64 rows (whole rows of
-# 64 x 1024 fp32 would not fit in registers).
+# The norm's row statistics of invariant launches in chunks of this many columns, at either
+# tile height (whole rows, 64 x 1024 fp32, would not fit in registers).
 INVARIANT_NORM_CHUNK = 128
 
 
@@ -224,6 +225,7 @@ INVARIANT_CONFIG_WIDE_K: LinearConfig = (32, 256, 4, 3)  # K > 1024
 
 
 def invariant_config(k: int) -> LinearConfig:
+    """The tile config of a batch-invariant launch over K input features."""
     return INVARIANT_CONFIG if k <= 1024 else INVARIANT_CONFIG_WIDE_K
 
 
@@ -291,7 +293,7 @@ def norm_linear_triton(
     weight: torch.Tensor,  # [N, K]; SwiGLU: [2I, K]
     swiglu_hidden: int | None = None,
     config: LinearConfig | None = None,
-    invariant: bool = False,  # one tile shape for every M (INVARIANT_BLOCK_M rows)
+    invariant: bool = False,  # batch-invariant tiles (invariant_config, 16 or 64 rows)
 ) -> torch.Tensor:  # [M, N] or [M, I], x's dtype
     """Same contract as norm_linear_ref, for inputs that `fits`."""
     _check(x, weight, swiglu_hidden)
@@ -318,7 +320,7 @@ def linear_residual_triton(
     weight: torch.Tensor,  # [N, K]
     residual: torch.Tensor,  # [M, N], a's dtype
     config: LinearConfig | None = None,
-    invariant: bool = False,  # one tile shape for every M (INVARIANT_BLOCK_M rows)
+    invariant: bool = False,  # batch-invariant tiles (invariant_config, 16 or 64 rows)
 ) -> torch.Tensor:  # residual + a @ weight.T, [M, N]
     """Same contract as linear_residual_ref, for inputs that `fits`."""
     _check(a, weight)

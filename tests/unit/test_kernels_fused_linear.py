@@ -96,8 +96,8 @@ def test_linear_residual_kernel_matches_oracle(m, k, n, dtype):
     run_linear_residual(dtype, m, k, n)
 
 
-# Batch-invariant launches (64-row tiles, chunked norm statistics): the default model's
-# layers, every tile padded, and more rows than one tile.
+# Batch-invariant launches (16- or 64-row tiles, chunked norm statistics): the default
+# model's layers, every tile padded, and more rows than one tile.
 INVARIANT_CASES = [(7, 576, 960), (5, 13, 17), (130, 1536, 576), (16, 576, 3072)]
 INVARIANT_IDS = ["x".join(map(str, c)) for c in INVARIANT_CASES]
 
