@@ -10,6 +10,8 @@ BENCHES = {
     "kernels": "bench.kernels",
     "kernel_sweep": "bench.kernel_sweep",
     "linear_sweep": "bench.linear_sweep",
+    "invariant_sweep": "bench.invariant_sweep",
+    "launch_floor": "bench.launch_floor",
     "verify_step": "bench.verify_step",
     "drafter": "bench.drafter",
     "drafter_step": "bench.drafter_step",

@@ -19,6 +19,14 @@ def test_every_listed_benchmark_has_a_main(name):
     assert callable(module.main) and module.__doc__, name
 
 
+def test_every_benchmark_module_is_listed():
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[2] / "bench"
+    modules = {f"bench.{p.stem}" for p in bench_dir.glob("*.py") if p.stem != "__init__"}
+    assert modules == set(BENCHES.values())
+
+
 def test_cli_runs_the_host_step_benchmark():
     out = subprocess.run(
         [sys.executable, "-m", "splitflash", "bench", "host_step", "--",
