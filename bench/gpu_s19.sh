@@ -35,11 +35,11 @@ if [ "$1" = step ] || [ "$1" = final ]; then
   for i in $(seq 1 "${2:-2}"); do
     for inv in "" --batch-invariant; do
       timeout 100 python3 -m bench.verify_step --contexts 512 32768 185000 --q-lens 16 1 \
-        --reps 50 $inv --json-out "$OUT/verify_step_s19$tag${inv:+_invariant}_b1_$i.json" 2>&1 \
+        --reps 50 $inv --json-out "$OUT/verify_step_s19$tag${inv:+_invariant}_b1_${i}_h200.json" 2>&1 \
         | grep -E "^ +(512|32768|185000) " | sed "s/^/${inv:-fast} /"
       timeout 100 python3 -m bench.verify_step --contexts 32768 131072 --batches 8 \
         --q-lens 16 --reps 30 $inv \
-        --json-out "$OUT/verify_step_s19$tag${inv:+_invariant}_b8_$i.json" 2>&1 \
+        --json-out "$OUT/verify_step_s19$tag${inv:+_invariant}_b8_${i}_h200.json" 2>&1 \
         | grep -E "^ +(32768|131072) " | sed "s/^/${inv:-fast} /"
     done
   done

@@ -6,8 +6,8 @@ norm+qkv (576 -> 960), o_proj+residual (576 -> 576), norm+gate_up+SwiGLU (576 ->
 down+residual (1536 -> 576). Each variant is timed as a chain of `--chain` dependent launches
 captured in one CUDA graph (as in a verify step, where every kernel waits for the one before):
 time per link = graph replay time / chain length, median of `--reps` replays.
-`--invariant`: the batch-invariant launches (64-row tiles, one config for every M), timed at
-each of `--rows` (e.g. 16 128: one block, eight).
+`--invariant`: the batch-invariant launches (16-row tiles up to M 16, else 64; configs fixed
+by K, never by M), timed at each of `--rows` (e.g. 1 16 128: a decode step, a block, eight).
 
     python -m bench.linear_sweep --json-out linear_sweep.json
     python -m bench.linear_sweep --invariant --rows 16 128 --json-out linear_sweep_inv.json
