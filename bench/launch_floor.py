@@ -4,10 +4,11 @@ kernel boundary before any kernel does work (issue 5's 185k target). CUDA only.
 A verify step of the default model is a chain of ~210 kernels (30 layers x 7: RoPE + K/V
 write, attention, split combine, four fused linears), each waiting for the one before. Here
 each link is a kernel that does nothing but read one value its predecessor wrote and write
-one value, timed as a chain captured in one CUDA graph (time per link = replay / chain
-length, median of --reps replays), for grids of 1 program, one per SM and two per SM,
-launched plainly and with programmatic dependent launch (kernels/pdl.py). A step of N kernels
-cannot take less than N links of its kind, whatever each kernel does.
+one value, timed as a chain captured in one CUDA graph (bench.linear_sweep's chain timing:
+time per link = replay / chain length, median of --reps replays), for grids of 1 program,
+one per SM and two per SM, launched plainly and with programmatic dependent launch
+(kernels/pdl.py). A step of N kernels cannot take less than N links of its kind, whatever
+each kernel does.
 
     python -m bench.launch_floor --json-out launch_floor.json
 """
@@ -21,6 +22,8 @@ import sys
 import triton
 import triton.language as tl
 
+from bench.linear_sweep import _chain_us
+
 
 @triton.jit
 def _link_kernel(src_ptr, dst_ptr, USE_GDC: tl.constexpr):
@@ -33,37 +36,28 @@ def _link_kernel(src_ptr, dst_ptr, USE_GDC: tl.constexpr):
 
 
 def chain_us(programs: int, pdl: bool, chain: int, reps: int) -> tuple[float, bool]:
-    """(us per link, whether the chain's result is right) for one grid size and launch kind."""
+    """(us per link, whether a chain's result is right) for one grid size and launch kind."""
     import torch
 
     bufs = [torch.zeros(programs, device="cuda") for _ in range(2)]
     meta = {"USE_GDC": True, "launch_pdl": True} if pdl else {"USE_GDC": False}
+    links = 0
 
-    def run():
-        for i in range(chain):
-            _link_kernel[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], **meta)
+    def link():  # the two buffers alternate: each link reads what the previous one wrote
+        nonlocal links
+        _link_kernel[(programs,)](bufs[links % 2], bufs[(links + 1) % 2], **meta)
+        links += 1
 
-    run()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / chain)
-    # Every replay adds `chain` to each element (two buffers alternating): a link that ran
-    # before its predecessor finished would leave a smaller count.
+    us = _chain_us(link, chain, reps)
+    # A chain from zeros leaves `chain` in the last buffer written; a link that ran before
+    # its predecessor finished would leave less.
     for buf in bufs:
         buf.zero_()
-    graph.replay()
+    start = links
+    for _ in range(chain):
+        link()
     torch.cuda.synchronize()
-    ok = bool((bufs[chain % 2] == chain).all())
-    return sorted(times)[len(times) // 2], ok
+    return us, bool((bufs[(start + chain) % 2] == chain).all())
 
 
 def main(argv: list[str] | None = None) -> int:
