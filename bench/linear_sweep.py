@@ -8,9 +8,12 @@ captured in one CUDA graph (as in a verify step, where every kernel waits for th
 time per link = graph replay time / chain length, median of `--reps` replays.
 `--invariant`: the batch-invariant launches (16-row tiles up to M 16, else 64; configs fixed
 by K, never by M), timed at each of `--rows` (e.g. 1 16 128: a decode step, a block, eight).
+`--compare`: no sweep; at each of `--rows`, the unfused ops, the shipped configs on 16-row
+tiles and on 64-row tiles (`row_tile`: which height the fast path takes above one block).
 
     python -m bench.linear_sweep --json-out linear_sweep.json
     python -m bench.linear_sweep --invariant --rows 16 128 --json-out linear_sweep_inv.json
+    python -m bench.linear_sweep --compare --rows 32 64 128 256 --json-out tiles.json
 """
 
 from __future__ import annotations
@@ -77,18 +80,46 @@ def _steps(name: str, m: int, invariant: bool = False):
         def unfused():
             return res + F.linear(x, w)
 
-        def fused(cfg):
-            return linear_residual_triton(x, w, res, config=cfg, invariant=invariant)
+        def fused(cfg, block_m=None):
+            return linear_residual_triton(x, w, res, config=cfg, invariant=invariant,
+                                          block_m=block_m)  # fmt: skip
     else:
 
         def unfused():
             y = F.linear(rms_norm_triton(x, nw, 1e-5), w)
             return y if hidden is None else silu_mul_triton(y, hidden)
 
-        def fused(cfg):
-            return norm_linear_triton(x, nw, 1e-5, w, hidden, config=cfg, invariant=invariant)
+        def fused(cfg, block_m=None):
+            return norm_linear_triton(x, nw, 1e-5, w, hidden, config=cfg, invariant=invariant,
+                                      block_m=block_m)  # fmt: skip
 
     return unfused, fused
+
+
+def compare_tiles(ms: list[int], chain: int, reps: int) -> list[dict]:
+    """us per link of each layer at each M: unfused, 16-row tiles (the fast configs), 64-row
+    tiles (invariant_config); the per-layer sums printed last."""
+    from splitflash.kernels.fused_linear import invariant_config, launch_config
+
+    rows = []
+    for m in ms:
+        total = {"unfused": 0.0, "rows16": 0.0, "rows64": 0.0}
+        for name in SHAPES:
+            unfused, fused = _steps(name, m)
+            k = SHAPES[name][0]
+            rows16, rows64 = (launch_config(k), 16), (invariant_config(k), 64)
+            times = {
+                "unfused": _chain_us(unfused, chain, reps),
+                "rows16": _chain_us(lambda f=fused, a=rows16: f(*a), chain, reps),
+                "rows64": _chain_us(lambda f=fused, a=rows64: f(*a), chain, reps),
+            }
+            for variant, us in times.items():
+                total[variant] += us
+                rows.append(dict(rows_m=m, shape=name, variant=variant, us=us))
+            print(f"M {m:4d} {name:13s} " + " ".join(f"{v} {u:6.2f}" for v, u in times.items()),
+                  flush=True)  # fmt: skip
+        print(f"M {m:4d} {'layer':13s} " + " ".join(f"{v} {u:6.2f}" for v, u in total.items()))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.linear_sweep", description=__doc__)
     p.add_argument("--rows", type=int, nargs="+", default=[16])
     p.add_argument("--invariant", action="store_true", help="64-row batch-invariant tiles")
+    p.add_argument("--compare", action="store_true", help="16- vs 64-row tiles, no sweep")
     p.add_argument("--chain", type=int, default=60)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json-out", default=None)
@@ -105,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench.linear_sweep needs a CUDA GPU")
     from splitflash.kernels.fused_linear import invariant_config, launch_config
 
+    if args.compare:
+        rows = compare_tiles(args.rows, args.chain, args.reps)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump({"compare": True, "chain": args.chain, "results": rows}, f, indent=2)
+        return 0
     configs = INVARIANT_CONFIGS if args.invariant else CONFIGS
     rows = []
     for m in args.rows:

@@ -12,6 +12,7 @@ BENCHES = {
     "linear_sweep": "bench.linear_sweep",
     "invariant_sweep": "bench.invariant_sweep",
     "launch_floor": "bench.launch_floor",
+    "attn_floor": "bench.attn_floor",
     "verify_step": "bench.verify_step",
     "drafter": "bench.drafter",
     "drafter_step": "bench.drafter_step",

@@ -35,11 +35,11 @@ import triton.language as tl
 
 from splitflash.kernels.fused_norm import rms_norm_ref
 from splitflash.kernels.online_softmax import dot_nt
-from splitflash.kernels.pdl import gdc_sync, pdl_launch
+from splitflash.kernels.pdl import gdc_sync, pdl_launch, prefetch_l2
 from splitflash.kernels.silu_mul import silu_mul_ref
 from splitflash.kernels.tuning import interpreter_active, next_pow2
 
-MAX_M = 64  # rows these kernels take; more rows amortise a cuBLAS launch anyway
+MAX_M = 256  # rows the fast path gives these kernels (bench.linear_sweep --compare); above, cuBLAS
 # K of the models measured (hidden / MLP width <= 2048): a program walks its whole K, so much
 # wider layers would be better served by cuBLAS's split-K tiles.
 MAX_K = 2048
@@ -52,11 +52,23 @@ BLOCK_M = 16  # the smallest tl.dot tile; a 16-token block is one row tile
 # 4.93 ms; at batch 1, 64-row tiles would cost 0.03-0.08 ms a step. The two tile heights run
 # different MMA instructions (mma.sync, wgmma) over the same K chunks, and sum the norm's
 # squares over the same column chunks and layout; they gave the same bits in every probe,
-# and tests/unit/test_kernels_fused_linear.py checks it on the GPU.
-INVARIANT_BLOCK_M = 64
-# The norm's row statistics of invariant launches in chunks of this many columns, at either
-# tile height (whole rows, 64 x 1024 fp32, would not fit in registers).
+# and tests/unit/test_kernels_fused_linear.py checks it on the GPU. The fast path takes the
+# same 64-row tiles and configs above 32 rows (`row_tile`).
+WIDE_BLOCK_M = 64
+# The fast path's 16-row tiles up to this M. `bench.linear_sweep --compare` on the H200, a
+# layer's four linears per launch chain (us): at M 32, 16-row 16.3 vs 64-row 17.4; at M 64,
+# 23.9 vs 18.2; at M 128, 31.7 vs 18.6 (cuBLAS + the ops apart 22.3); at M 256, 54.6 vs
+# 21.4 (cuBLAS 22.9).
+FAST_NARROW_MAX_M = 32
+# The norm's row statistics of invariant and 64-row launches in chunks of this many columns,
+# at either tile height (whole rows, 64 x 1024 fp32, would not fit in registers).
 INVARIANT_NORM_CHUNK = 128
+
+
+def row_tile(m: int, invariant: bool) -> int:
+    """Rows of one program tile for a launch of m rows: 16 up to one verify block (or two on
+    the fast path), 64 above."""
+    return BLOCK_M if m <= (BLOCK_M if invariant else FAST_NARROW_MAX_M) else WIDE_BLOCK_M
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out_cols: int | None = None) -> None:
@@ -112,9 +124,7 @@ def _prefetch_tile_l2(w_ptr, row0, n_rows, stride_w, K, BLOCK_N: tl.constexpr,
     No registers hold the data, so the whole tile can be requested before gdc_wait."""
     rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), n_rows - 1).to(tl.int64)
     cols = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, K - 1)
-    ptrs = w_ptr + rows[:, None] * stride_w + cols[None, :]  # [BLOCK_N, LINES]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])  # [BLOCK_N, LINES]
 
 
 @triton.jit
@@ -251,9 +261,12 @@ def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
 
 
 def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None, invariant: bool,
-               m: int) -> dict:  # fmt: skip
-    block_m = BLOCK_M if not invariant or m <= BLOCK_M else INVARIANT_BLOCK_M
-    config = (config or invariant_config(k)) if invariant else launch_config(k, config)
+               m: int, block_m: int | None) -> dict:  # fmt: skip
+    block_m = block_m or row_tile(m, invariant)
+    if invariant or block_m > BLOCK_M:  # 64-row tiles: invariant_config was best at M 128
+        config = config or invariant_config(k)
+    else:
+        config = launch_config(k, config)
     block_n, block_k, warps, stages = config
     line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
@@ -294,6 +307,7 @@ def norm_linear_triton(
     swiglu_hidden: int | None = None,
     config: LinearConfig | None = None,
     invariant: bool = False,  # batch-invariant tiles (invariant_config, 16 or 64 rows)
+    block_m: int | None = None,  # rows per program tile (sweeps); None: row_tile
 ) -> torch.Tensor:  # [M, N] or [M, I], x's dtype
     """Same contract as norm_linear_ref, for inputs that `fits`."""
     _check(x, weight, swiglu_hidden)
@@ -303,10 +317,11 @@ def norm_linear_triton(
     m, k = x.shape
     n = weight.shape[0] if swiglu_hidden is None else swiglu_hidden
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    meta = _tile_meta(weight, k, config, invariant, m)
+    meta = _tile_meta(weight, k, config, invariant, m, block_m)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
     folded = fold_norm_weight(weight, norm_weight)
-    chunk = INVARIANT_NORM_CHUNK if invariant else max(16, next_pow2(k))
+    wide = invariant or meta["BLOCK_M"] > BLOCK_M
+    chunk = INVARIANT_NORM_CHUNK if wide else max(16, next_pow2(k))
     _norm_linear_kernel[grid](
         x, folded, out, m, n, k, x.stride(0), folded.stride(0), float(eps),
         SWIGLU=swiglu_hidden is not None, NORM_CHUNK=chunk, **meta,
@@ -321,6 +336,7 @@ def linear_residual_triton(
     residual: torch.Tensor,  # [M, N], a's dtype
     config: LinearConfig | None = None,
     invariant: bool = False,  # batch-invariant tiles (invariant_config, 16 or 64 rows)
+    block_m: int | None = None,  # rows per program tile (sweeps); None: row_tile
 ) -> torch.Tensor:  # residual + a @ weight.T, [M, N]
     """Same contract as linear_residual_ref, for inputs that `fits`."""
     _check(a, weight)
@@ -331,7 +347,7 @@ def linear_residual_triton(
                          f"strides and residual [M, N]; got a {tuple(a.shape)}, weight "
                          f"{tuple(weight.shape)}, residual {tuple(residual.shape)}")  # fmt: skip
     out = torch.empty((m, n), device=a.device, dtype=residual.dtype)
-    meta = _tile_meta(weight, k, config, invariant, m)
+    meta = _tile_meta(weight, k, config, invariant, m, block_m)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
     _linear_residual_kernel[grid](
         a, weight, residual, out, m, n, k, a.stride(0), weight.stride(0), residual.stride(0),

@@ -49,6 +49,15 @@ def gdc_sync(USE_GDC: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line holding each address of ptrs (`prefetch.global.L2`): no
+    register receives the data and nothing waits for it, so a program can have many lines
+    on their way without holding buffers for them. CUDA only (inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Launch the chain's kernels with PDL on this device?"""
     if device.type != "cuda" or interpreter_active():

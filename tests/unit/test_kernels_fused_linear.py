@@ -25,9 +25,10 @@ EPS = 1e-5
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 
 # (M, K, N): the default model's layers (K 576 / 1536, N 960 / 576, SwiGLU I 1536), odd sizes
-# that pad every tile (K 13 / 100, N 17 / 50), one row, the largest M and K taken.
+# that pad every tile (K 13 / 100, N 17 / 50), one row, 64-row tiles (M > 16), the largest K
+# and M taken.
 CASES = [(1, 64, 96), (7, 576, 960), (16, 1536, 576), (33, 100, 50), (64, 2048, 40),
-         (5, 13, 17), (16, 576, 3072)]  # fmt: skip
+         (5, 13, 17), (16, 576, 3072), (128, 96, 40)]  # fmt: skip
 IDS = ["x".join(map(str, c)) for c in CASES]
 
 
