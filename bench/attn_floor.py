@@ -10,10 +10,9 @@ timing: us per launch), kernels that READ the same bytes and do no attention mat
 - paged_read_2x / _4x: the same with 2x / 4x the splits (more, shorter programs);
 - flat_read: the same bytes as one contiguous buffer, one chunk per program, at the
   attention's program count and at 4x;
-beside the attention itself (+ its split combine), q_len 16 and 1, at each L2 prefetch
-distance of PREFETCHES, with CUPTI's split of the attention kernel from the combine. What
-the reads take is the floor a kernel of this size and grid can reach; what attention takes
-beyond it is its math and pipeline.
+beside the attention itself (+ its split combine), q_len 16 and 1, with CUPTI's split of
+the attention kernel from the combine. What the reads take is the floor a kernel of this
+size and grid can reach; what attention takes beyond it is its math and pipeline.
 
     python -m bench.attn_floor --json-out attn_floor.json
 """
@@ -21,7 +20,6 @@ beyond it is its math and pipeline.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 
@@ -31,7 +29,6 @@ import triton.language as tl
 from bench.linear_sweep import _chain_us
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16  # SmolLM2-135M; PagedKVCache's page size
-PREFETCHES = (0, 2, 4, 8)  # tiles each attention program prefetches ahead (tuning.py)
 
 
 @triton.jit
@@ -95,8 +92,8 @@ def _kv(kv_len: int, order: str):
 
 
 def _attention_rows(k, v, table, kv_len: int, chain: int, reps: int) -> list[dict]:
-    """The paged attention (+ split combine) at q_len 16 and 1, each prefetch distance: us
-    per launch in a chain, and CUPTI's time of the attention kernel alone."""
+    """The paged attention (+ split combine) at q_len 16 and 1: us per launch in a chain,
+    and CUPTI's time of the attention kernel alone."""
     import torch
 
     from bench.verify_step import kernel_profile
@@ -104,21 +101,20 @@ def _attention_rows(k, v, table, kv_len: int, chain: int, reps: int) -> list[dic
     from splitflash.kernels.tuning import plan_launch
 
     rows = []
-    for q_len, prefetch in itertools.product((16, 1), PREFETCHES):
+    for q_len in (16, 1):
         q = torch.randn(q_len, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         lens = torch.tensor([kv_len], device="cuda", dtype=torch.int32)
         cu_q = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
         anc = torch.tensor([(1 << (i + 1)) - 1 for i in range(q_len)], device="cuda")
         inputs = (q, k, v, table, lens, cu_q, anc, HEAD_DIM**-0.5)
 
-        def attend(inputs=inputs, q_len=q_len, prefetch=prefetch):
-            return paged_attention_triton(*inputs, max_kv_len=kv_len, max_q_len=q_len,
-                                          prefetch=prefetch)  # fmt: skip
+        def attend(inputs=inputs, q_len=q_len):
+            return paged_attention_triton(*inputs, max_kv_len=kv_len, max_q_len=q_len)
 
         plan = plan_launch(q.device, q_len * HEADS // KV_HEADS, q_len, 1, KV_HEADS, kv_len)
         us = _chain_us(attend, chain, reps)
         prof = kernel_profile(attend, steps=10, top=4)
-        rows.append(dict(variant=f"attention_q{q_len}_pf{prefetch}", us=us,
+        rows.append(dict(variant=f"attention_q{q_len}", us=us,
                          splits=plan.splits.num_splits,
                          programs=plan.splits.num_splits * plan.m_tiles * KV_HEADS,
                          kernel_us=sum(r["us"] for r in prof["kernels"]

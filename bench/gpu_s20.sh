@@ -4,13 +4,14 @@
 #                                 the launch floor again (bench.launch_floor, refactored in
 #                                 s19), 16- vs 64-row tiles of the fast linears at M 32-256
 #                                 (bench.linear_sweep --compare), the fused-linear GPU tests
-#   bash bench/gpu_s20.sh prefetch  bench.attn_floor with the attention's L2 look-ahead
+#   bash bench/gpu_s20.sh prefetch  at commit 3728bf1 (its attention prefetch since reverted):
+#                                 bench.attn_floor with the attention's L2 look-ahead
 #                                 (PREFETCHES tiles), the GPU tests of the paged attention
 #                                 and the fused linears (64-row fast tiles above M 32)
-#   bash bench/gpu_s20.sh ab      the fast verify step at batch 2 / 4 / 8, before/ (splitflash +
-#                                 bench of commit 927676f: 16-row tiles up to M 64, then
-#                                 cuBLAS) against this tree (64-row tiles above M 16, fused up
-#                                 to M 128), alternated twice
+#   bash bench/gpu_s20.sh ab      the fast verify step at batch 2 / 4 / 8 / 16, before/
+#                                 (splitflash + bench of commit 927676f: 16-row tiles up to
+#                                 M 64, then cuBLAS) against this tree (64-row tiles above
+#                                 M 32, fused up to M 256), alternated twice
 # before/ made with: git worktree add /tmp/b 927676f; mkdir before; cp -r /tmp/b/{splitflash,bench} before/
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl 2>/dev/null
@@ -37,7 +38,7 @@ fi
 if [ "$1" = ab ]; then
   run() {
     (cd "$1" && PYTHONPATH=$PWD:/tmp/site timeout 130 python3 -m bench.verify_step \
-      --contexts 512 32768 --batches 2 4 8 --q-lens 16 --reps 30 \
+      --contexts 512 32768 --batches 2 4 8 16 --q-lens 16 --reps 30 \
       --json-out "$OUT/verify_step_s20_$2_h200.json" 2>&1 \
       | grep -E "^ +(512|32768) " | sed "s/^/$2 /")
   }

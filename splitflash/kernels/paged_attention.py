@@ -21,7 +21,7 @@ import triton.language as tl
 
 from splitflash.kernels.online_softmax import attend_tile, attend_tile_full
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, check_paged_inputs
-from splitflash.kernels.pdl import pdl_enabled, prefetch_l2
+from splitflash.kernels.pdl import pdl_enabled
 from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
     SPLIT_ALIGN,
@@ -32,7 +32,6 @@ from splitflash.kernels.tuning import (
     kv_bucket,
     next_pow2,
     plan_launch,
-    prefetch_tiles,
     q_bucket,
 )
 
@@ -62,23 +61,6 @@ def _load_kv_tile(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     return t, k, v
-
-
-@triton.jit
-def _prefetch_kv(
-    k_ptr, v_ptr, page, t, kv_head,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    PAGE: tl.constexpr, D: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
-):  # fmt: skip
-    """Ask L2 for the K and V rows of positions t [BLOCK_N] (their pages known): one
-    prefetch per 128-byte line of a row (LINES lines of LINE_ELEMS elements, the padding
-    lanes clamped onto the row's last element)."""
-    slot = t % PAGE
-    cols = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, D - 1)
-    k_row = page * stride_kp + slot * stride_ks + kv_head * stride_kh  # [BLOCK_N]
-    v_row = page * stride_vp + slot * stride_vs + kv_head * stride_vh
-    prefetch_l2(k_ptr + k_row[:, None] + cols[None, :])
-    prefetch_l2(v_ptr + v_row[:, None] + cols[None, :])
 
 
 @triton.jit
@@ -137,7 +119,6 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr, TRIGGER: tl.constexpr,
-    PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):  # fmt: skip
     if TRIGGER:  # the split combine may launch (PDL) once every program has started
         tl.extra.cuda.gdc_launch_dependents()
@@ -185,30 +166,8 @@ def _paged_attn_kernel(
     # overlap of loads and math); carried, K/V get num_stages buffers.
     last_page = tl.maximum(p_end - 1, 0) // PAGE
     page = _page_ids(pages_ptr, start + tl.arange(0, BLOCK_N), last_page, PAGE)  # [BLOCK_N]
-    # PREFETCH tiles ahead of the loads, L2 is asked for the tile the loop will load then
-    # (kernels/tuning.py PREFETCH_TILES: more bytes in flight than the pipeline's buffers
-    # hold). Tiles 1 .. PREFETCH - 1 first; the look-ahead's page ids are carried like the
-    # loads' (clamped to the split's last page, so past the end they re-ask valid lines).
-    if PREFETCH > 0:
-        for i in tl.static_range(1, PREFETCH):
-            t_pf = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            _prefetch_kv(
-                k_ptr, v_ptr, _page_ids(pages_ptr, t_pf, last_page, PAGE), t_pf, kv_head,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                PAGE, D, LINES, LINE_ELEMS,
-            )  # fmt: skip
-    t_pf = start + PREFETCH * BLOCK_N + tl.arange(0, BLOCK_N)
-    page_pf = _page_ids(pages_ptr, t_pf, last_page, PAGE)
     for n0 in range(start, full_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
-        if PREFETCH > 0:
-            t_pf = t + PREFETCH * BLOCK_N
-            _prefetch_kv(
-                k_ptr, v_ptr, page_pf, t_pf, kv_head,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                PAGE, D, LINES, LINE_ELEMS,
-            )  # fmt: skip
-            page_pf = _page_ids(pages_ptr, t_pf + BLOCK_N, last_page, PAGE)
         k, v = _load_kv_full(
             k_ptr, v_ptr, page, t, kv_head,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -273,13 +232,11 @@ def paged_attention_triton(
     num_splits: int | None = None,
     waves: float | None = None,
     config: tuple[int, int, int] | None = None,
-    prefetch: int | None = None,
 ) -> torch.Tensor:  # [N, H, D]
     """Same contract as paged_attention_ref. max_kv_len / max_q_len are upper bounds the
     caller usually knows (scheduler); passing them avoids a device->host sync. Overrides for
     tests and sweeps: num_splits (split count), waves (programs per SM, see plan_splits),
-    config = (BLOCK_N, num_warps, num_stages) instead of autotuning, prefetch (tiles
-    prefetched ahead, see tuning.prefetch_tiles)."""
+    config = (BLOCK_N, num_warps, num_stages) instead of autotuning."""
     group = check_paged_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits)
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         raise ValueError("k_pages / v_pages must be contiguous in the head dim")
@@ -310,7 +267,6 @@ def paged_attention_triton(
         part_lse = torch.empty(n_rows, n_heads, n_splits, device=q.device, dtype=torch.float32)
     upcast = interpreter_active() or q.dtype == torch.float32
     cap = lp.capability
-    line_elems = max(1, 128 // k_pages.element_size())  # elements per 128-byte L2 line
     args = (
         q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, out, part_out, part_lse,
         scale * _LOG2E,
@@ -325,8 +281,6 @@ def paged_attention_triton(
         BLOCK_D=max(16, next_pow2(head_dim)), DIRECT_OUT=direct, UPCAST=upcast,
         DOT_IEEE=upcast, SPLIT_ALIGN=SPLIT_ALIGN,
         TRIGGER=not direct and pdl_enabled(q.device),
-        PREFETCH=prefetch_tiles(cap) if prefetch is None else prefetch,
-        LINES=next_pow2(-(-head_dim // line_elems)), LINE_ELEMS=line_elems,
     )  # fmt: skip
     # Row tile fastest (see module docstring): programs sharing a key range run together.
     grid = (n_splits * lp.m_tiles, n_req, n_kv_heads)

@@ -224,28 +224,6 @@ class LaunchPlan:
     splits: SplitPlan
 
 
-# K/V tiles each attention program asks L2 for ahead of its loads (prefetch.global.L2, no
-# buffers held), per config set. Why: at the default model's shape (3 KV heads of 64) a
-# 185k-key launch reads 142 MB with ~2 programs per SM, each with num_stages - 1 tiles of
-# 16 KB in flight: ~8 MB in flight for the whole GPU, and it ran at 0.77 of copy bandwidth,
-# while a read-only kernel with 4x the programs (16 MB in flight) reached 0.92
-# (bench.attn_floor, bench/RESULTS.md). Unset sets: 0 (none).
-PREFETCH_TILES: dict[str, int] = {"hopper": 4}
-
-
-def prefetch_tiles(capability: tuple[int, int]) -> int:
-    """Tiles ahead an attention program prefetches on this GPU: SPLITFLASH_ATTN_PREFETCH (to
-    measure), else PREFETCH_TILES; 0 in the interpreter (the prefetch is inline PTX)."""
-    if interpreter_active() or capability[0] == 0:
-        return 0
-    text = os.environ.get("SPLITFLASH_ATTN_PREFETCH", "").strip()
-    if text:
-        if not text.isdigit():
-            raise ValueError(f"SPLITFLASH_ATTN_PREFETCH must be a tile count >= 0, got {text!r}")
-        return int(text)
-    return PREFETCH_TILES.get(config_set_for(capability), 0)
-
-
 def env_config() -> _TileConfig | None:
     """SPLITFLASH_KERNEL_CONFIG=BLOCK_N,warps,stages: one tile config instead of autotuning
     (one compile per shape: for time-boxed GPU runs). Unset: autotune."""
