@@ -20,6 +20,7 @@ size and grid can reach; what attention takes beyond it is its math and pipeline
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -91,9 +92,10 @@ def _kv(kv_len: int, order: str):
     return k, v, table.to(torch.int32).view(1, n_pages)
 
 
-def _attention_rows(k, v, table, kv_len: int, chain: int, reps: int) -> list[dict]:
-    """The paged attention (+ split combine) at q_len 16 and 1: us per launch in a chain,
-    and CUPTI's time of the attention kernel alone."""
+def _attention_rows(k, v, table, kv_len: int, chain: int, reps: int,
+                    configs: list[tuple[int, int, int] | None]) -> list[dict]:  # fmt: skip
+    """The paged attention (+ split combine) at q_len 16 and 1, for each tile config (None:
+    the shipped choice): us per launch in a chain, CUPTI's time of the attention kernel."""
     import torch
 
     from bench.verify_step import kernel_profile
@@ -101,20 +103,23 @@ def _attention_rows(k, v, table, kv_len: int, chain: int, reps: int) -> list[dic
     from splitflash.kernels.tuning import plan_launch
 
     rows = []
-    for q_len in (16, 1):
+    for q_len, config in itertools.product((16, 1), configs):
         q = torch.randn(q_len, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         lens = torch.tensor([kv_len], device="cuda", dtype=torch.int32)
         cu_q = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
         anc = torch.tensor([(1 << (i + 1)) - 1 for i in range(q_len)], device="cuda")
         inputs = (q, k, v, table, lens, cu_q, anc, HEAD_DIM**-0.5)
 
-        def attend(inputs=inputs, q_len=q_len):
-            return paged_attention_triton(*inputs, max_kv_len=kv_len, max_q_len=q_len)
+        def attend(inputs=inputs, q_len=q_len, config=config):
+            return paged_attention_triton(*inputs, max_kv_len=kv_len, max_q_len=q_len,
+                                          config=config)  # fmt: skip
 
-        plan = plan_launch(q.device, q_len * HEADS // KV_HEADS, q_len, 1, KV_HEADS, kv_len)
+        plan = plan_launch(q.device, q_len * HEADS // KV_HEADS, q_len, 1, KV_HEADS, kv_len,
+                           config=config)
         us = _chain_us(attend, chain, reps)
         prof = kernel_profile(attend, steps=10, top=4)
-        rows.append(dict(variant=f"attention_q{q_len}", us=us,
+        tag = "_" + "-".join(map(str, config)) if config else ""
+        rows.append(dict(variant=f"attention_q{q_len}{tag}", us=us,
                          splits=plan.splits.num_splits,
                          programs=plan.splits.num_splits * plan.m_tiles * KV_HEADS,
                          kernel_us=sum(r["us"] for r in prof["kernels"]
@@ -164,7 +169,8 @@ def _flat_read_rows(n_bytes: int, programs: int, chain: int, reps: int) -> list[
     return rows
 
 
-def measure(kv_len: int, chain: int, reps: int) -> dict:
+def measure(kv_len: int, chain: int, reps: int,
+            configs: list[tuple[int, int, int]] = ()) -> dict:  # fmt: skip
     import torch
 
     from bench.kernels import measure_copy_gbps
@@ -175,7 +181,7 @@ def measure(kv_len: int, chain: int, reps: int) -> dict:
     rows = []
     for order in ("sequential", "random"):
         k, v, table = _kv(kv_len, order)
-        attention = _attention_rows(k, v, table, kv_len, chain, reps)
+        attention = _attention_rows(k, v, table, kv_len, chain, reps, [None, *configs])
         splits = attention[0]["splits"]  # q_len 16's plan
         reads = _paged_read_rows(k, v, table, kv_len, splits, chain, reps)
         rows += [dict(r, order=order) for r in attention + reads]
@@ -197,12 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-len", type=int, default=185_000)
     p.add_argument("--chain", type=int, default=30, help="launches per graph (a step's layers)")
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument(
+        "--configs",
+        nargs="*",
+        default=[],
+        metavar="BLOCK_N,WARPS,STAGES",
+        help="attention tile configs to time beside the shipped one",
+    )
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.attn_floor needs a CUDA GPU", file=sys.stderr)
         return 2
-    res = measure(args.kv_len, args.chain, args.reps)
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
+    res = measure(args.kv_len, args.chain, args.reps, configs)
     print(f"{args.kv_len} keys, {res['kv_bytes'] / 1e6:.0f} MB of K/V per launch; copy "
           f"{res['copy_gbps']:.0f} GB/s -> floor {res['copy_floor_us']:.1f} us")  # fmt: skip
     print(f"{'variant':22} {'pages':10} {'us/launch':>9} {'kernel us':>9} {'GB/s':>6} "

@@ -12,6 +12,9 @@
 #                                 (splitflash + bench of commit 927676f: 16-row tiles up to
 #                                 M 64, then cuBLAS) against this tree (64-row tiles above
 #                                 M 32, fused up to M 256), alternated twice
+#   bash bench/gpu_s20.sh final   bench.attn_floor with more attention tile configs (BLOCK_N
+#                                 128, deeper pipelines); the verify step fast and
+#                                 batch-invariant, batch 1 and 8, once each
 # before/ made with: git worktree add /tmp/b 927676f; mkdir before; cp -r /tmp/b/{splitflash,bench} before/
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl 2>/dev/null
@@ -35,6 +38,20 @@ if [ "$1" = prefetch ]; then
     | grep -E "passed|failed|Error|assert" | tail -12
   exit 0
 fi
+if [ "$1" = final ]; then
+  timeout 200 python3 -m bench.attn_floor --configs 128,4,3 128,4,2 128,8,3 64,4,5 64,4,6 \
+    64,8,4 --json-out "$OUT/attn_floor_configs_h200.json" 2>&1 | grep -E "^(attention|paged|flat|185)"
+  for inv in "" --batch-invariant; do
+    timeout 100 python3 -m bench.verify_step --contexts 512 32768 185000 --q-lens 16 1 \
+      --reps 50 $inv --json-out "$OUT/verify_step_s20${inv:+_invariant}_b1_h200.json" 2>&1 \
+      | grep -E "^ +(512|32768|185000) " | sed "s/^/${inv:-fast} /"
+    timeout 100 python3 -m bench.verify_step --contexts 32768 131072 --batches 8 \
+      --q-lens 16 --reps 30 $inv \
+      --json-out "$OUT/verify_step_s20${inv:+_invariant}_b8_h200.json" 2>&1 \
+      | grep -E "^ +(32768|131072) " | sed "s/^/${inv:-fast} /"
+  done
+  exit 0
+fi
 if [ "$1" = ab ]; then
   run() {
     (cd "$1" && PYTHONPATH=$PWD:/tmp/site timeout 130 python3 -m bench.verify_step \
@@ -45,5 +62,5 @@ if [ "$1" = ab ]; then
   run before before1; run . after1; run before before2; run . after2
   exit 0
 fi
-echo "usage: bash bench/gpu_s20.sh probe|prefetch|ab" >&2
+echo "usage: bash bench/gpu_s20.sh probe|prefetch|ab|final" >&2
 exit 2
