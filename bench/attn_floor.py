@@ -114,8 +114,9 @@ def _attention_rows(k, v, table, kv_len: int, chain: int, reps: int,
             return paged_attention_triton(*inputs, max_kv_len=kv_len, max_q_len=q_len,
                                           config=config)  # fmt: skip
 
-        plan = plan_launch(q.device, q_len * HEADS // KV_HEADS, q_len, 1, KV_HEADS, kv_len,
-                           config=config)
+        plan = plan_launch(
+            q.device, q_len * HEADS // KV_HEADS, q_len, 1, KV_HEADS, kv_len, config=config
+        )
         us = _chain_us(attend, chain, reps)
         prof = kernel_profile(attend, steps=10, top=4)
         tag = "_" + "-".join(map(str, config)) if config else ""
