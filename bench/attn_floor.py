@@ -115,7 +115,14 @@ def _attention_rows(k, v, table, kv_len: int, chain: int, reps: int,
                                           config=config)  # fmt: skip
 
         plan = plan_launch(
-            q.device, q_len * HEADS // KV_HEADS, q_len, 1, KV_HEADS, kv_len, config=config
+            q.device,
+            q_len * HEADS // KV_HEADS,
+            q_len,
+            1,
+            KV_HEADS,
+            kv_len,
+            config=config,
+            head_dim=HEAD_DIM,
         )
         us = _chain_us(attend, chain, reps)
         prof = kernel_profile(attend, steps=10, top=4)

@@ -256,7 +256,8 @@ def paged_attention_triton(
         raise ValueError(f"q_len must be in 1..{MAX_Q_LEN}, got max {max_q_len}")
 
     lp = plan_launch(q.device, max_q_len * group, max_q_len, n_req, n_kv_heads, max_kv_len,
-                     config=config, num_splits=num_splits, waves=waves)  # fmt: skip
+                     config=config, num_splits=num_splits, waves=waves,
+                     head_dim=head_dim)  # fmt: skip
     n_splits = lp.splits.num_splits
     direct = n_splits == 1
     if direct:

@@ -40,7 +40,13 @@ HOPPER_CONFIGS: tuple[_TileConfig, ...] = (
     (64, 8, 3),  # 8 warps: the candidates for 128-row tiles (q_len 64), see pick_block_m
     (64, 8, 4),
     (32, 8, 3),
+    (128, 4, 3),  # heads of <= 64 dims only (autotune_prune): spills at D 128, see above
 )
+# Widest head dim that may take 128-key tiles at 4 warps. At D 64 a K+V stage is 32 KiB and
+# (128, 4, 3) streamed a 185k-key launch of the default model's shape at 0.73 / 0.81 of copy
+# (q_len 16 / 1) against 0.72 / 0.75 for the shipped picks (bench.attn_floor --configs,
+# bench/RESULTS.md).
+WIDE_N_MAX_HEAD_DIM = 64
 
 # Reasoned from the hardware, not measured (see module docstring).
 BLACKWELL_DC_CONFIGS: tuple[_TileConfig, ...] = (
@@ -120,11 +126,14 @@ def pick_block_m(rows: int, wide_ok: bool) -> int:
 
 
 def autotune_prune(configs, named_args, **meta):
-    """early_config_prune for the attention kernels: 128-row tiles only with 8-warp configs."""
+    """early_config_prune for the attention kernels: 128-row tiles only with 8-warp configs,
+    128-key tiles only for heads of <= WIDE_N_MAX_HEAD_DIM dims (never prunes to nothing)."""
+    kept = configs
     if meta.get("BLOCK_M", 0) >= 128:
-        wide = [c for c in configs if c.num_warps >= WIDE_M_MIN_WARPS]
-        return wide or configs
-    return configs
+        kept = [c for c in kept if c.num_warps >= WIDE_M_MIN_WARPS] or kept
+    if meta.get("D", 0) > WIDE_N_MAX_HEAD_DIM:
+        kept = [c for c in kept if c.kwargs["BLOCK_N"] < 128] or kept
+    return kept
 
 
 @lru_cache(maxsize=16)
@@ -169,7 +178,19 @@ DEFAULT_WAVES: dict[int, float | None] = {1: None, 16: 2.0, 64: 1.0}
 # H200: (64, 4, 3) with the legacy split rule was the fastest config at every point of two
 # sweeps (B 1/8, kv 8k-185k, D 64/128; bench/RESULTS.md), while autotuning's noisy timings
 # picked (64, 4, 4) and lost 3-5% of bandwidth.
+# At heads of <= WIDE_N_MAX_HEAD_DIM dims (the default model's 64), q_len 1 takes 128-key
+# tiles: 38.2 vs 41.4 us per 185k-key launch (bench.attn_floor --configs).
 MEASURED_PICKS: dict[str, dict[int, _TileConfig]] = {"hopper": {1: (64, 4, 3)}}
+MEASURED_PICKS_NARROW_HEADS: dict[str, dict[int, _TileConfig]] = {"hopper": {1: (128, 4, 3)}}
+
+
+def measured_pick(capability: tuple[int, int], max_q_len: int,
+                  head_dim: int | None) -> _TileConfig | None:  # fmt: skip
+    """The measured config replacing autotuning for this GPU, q_len and head dim, if any."""
+    picks = MEASURED_PICKS
+    if head_dim is not None and head_dim <= WIDE_N_MAX_HEAD_DIM:
+        picks = MEASURED_PICKS_NARROW_HEADS
+    return picks.get(config_set_for(capability), {}).get(q_bucket(max_q_len))
 
 
 def default_waves(max_q_len: int) -> float | None:
@@ -242,11 +263,11 @@ def env_config() -> _TileConfig | None:
 def plan_launch(
     device, rows: int, max_q_len: int, n_req: int, n_kv_heads: int, max_kv_len: int, *,
     config: _TileConfig | None = None, num_splits: int | None = None,
-    waves: float | None = None,
+    waves: float | None = None, head_dim: int | None = None,
 ) -> LaunchPlan:  # fmt: skip
     """Tile shape and split count of one paged-attention launch (device: a torch.device;
     rows = max_q_len * G). paged_attention_triton's own planning, public so benchmarks label
-    what they time. waves None: default_waves(max_q_len)."""
+    what they time. waves None: default_waves(max_q_len). head_dim picks measured configs."""
     interp = interpreter_active()
     if interp or device.type != "cuda":
         cap, sm_count = (0, 0), _INTERPRETER_SMS
@@ -257,7 +278,7 @@ def plan_launch(
     if config is None:
         config = env_config()
     if config is None and not interp:
-        config = MEASURED_PICKS.get(config_set_for(cap), {}).get(q_bucket(max_q_len))
+        config = measured_pick(cap, max_q_len, head_dim)
     if config is not None:
         config = tuple(config)
         wide_ok = config[1] >= WIDE_M_MIN_WARPS

@@ -178,6 +178,20 @@ def test_kernel_matches_oracle_bf16_gpu(kv_lens, q_lens, heads, kv_heads, dim, p
     check_against_oracle(case, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("q_lens", [[16], [1, 1]], ids=["q16", "q1x2"])
+def test_every_hopper_config_matches_oracle_at_64_dim_heads_bf16_gpu(q_lens):
+    # The default model's heads (9 / 3 of 64): every tile config the autotuner or a measured
+    # pick may launch there, 128-key tiles included, with a partial last tile.
+    from splitflash.kernels.tuning import HOPPER_CONFIGS
+
+    kv_lens = [4097, 1000][: len(q_lens)]
+    case = make_case(kv_lens, q_lens, 9, 3, 64, 16, torch.bfloat16, seed=3, head_major=True)
+    for config in HOPPER_CONFIGS:
+        check_against_oracle(case, torch.bfloat16, config=config, num_splits=3)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     data=st.data(),

@@ -17,6 +17,7 @@ from splitflash.kernels.tuning import (
     SPLIT_ALIGN,
     autotune_prune,
     default_waves,
+    measured_pick,
     pick_block_m,
     plan_splits,
 )
@@ -110,6 +111,18 @@ def test_pick_block_m_and_prune():
     assert [c.num_warps for c in autotune_prune(configs, {}, BLOCK_M=128)] == [8]
     assert autotune_prune(configs, {}, BLOCK_M=64) == configs
     assert autotune_prune(configs[:1], {}, BLOCK_M=128) == configs[:1]  # never empty
+    wide_n = [triton.Config({"BLOCK_N": n}, num_warps=4, num_stages=3) for n in (64, 128)]
+    assert [c.kwargs["BLOCK_N"] for c in autotune_prune(wide_n, {}, D=128)] == [64]
+    assert autotune_prune(wide_n, {}, D=64) == wide_n  # 128-key tiles fit narrow heads
+    assert autotune_prune(wide_n[1:], {}, D=128) == wide_n[1:]
+
+
+def test_measured_picks_by_head_dim():
+    hopper = (9, 0)
+    assert measured_pick(hopper, 1, 64) == (128, 4, 3)  # the default model's heads
+    assert measured_pick(hopper, 1, 128) == measured_pick(hopper, 1, None) == (64, 4, 3)
+    assert measured_pick(hopper, 16, 64) is None  # autotuned
+    assert measured_pick((8, 0), 1, 64) is None  # no measured pick off Hopper
 
 
 def test_default_waves_buckets():
