@@ -15,6 +15,10 @@
 #   bash bench/gpu_s20.sh final   bench.attn_floor with more attention tile configs (BLOCK_N
 #                                 128, deeper pipelines); the verify step fast and
 #                                 batch-invariant, batch 1 and 8, once each
+#   bash bench/gpu_s20.sh ab2     before/ = commit d0b48cd (splitflash + bench; the shipped attention
+#                                 configs) against this tree (128-key tiles at D <= 64),
+#                                 verify step batch 1 and 8, alternated twice; GPU tests of
+#                                 the paged attention
 # before/ made with: git worktree add /tmp/b 927676f; mkdir before; cp -r /tmp/b/{splitflash,bench} before/
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl 2>/dev/null
@@ -52,6 +56,21 @@ if [ "$1" = final ]; then
   done
   exit 0
 fi
+if [ "$1" = ab2 ]; then
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_kernels_paged.py \
+    tests/unit/test_kernels_paged_paths.py 2>&1 | grep -E "passed|failed|Error|assert" | tail -8
+  run() {
+    (cd "$1" && PYTHONPATH=$PWD:/tmp/site timeout 100 python3 -m bench.verify_step \
+      --contexts 512 32768 185000 --q-lens 16 1 --reps 50 \
+      --json-out "$OUT/verify_step_s20_$2_b1_h200.json" 2>&1 \
+      | grep -E "^ +(512|32768|185000) " | sed "s/^/$2 /"
+     PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m bench.verify_step --contexts 32768 \
+      --batches 8 --q-lens 16 --reps 30 --json-out "$OUT/verify_step_s20_$2_b8_h200.json" \
+      2>&1 | grep -E "^ +32768 " | sed "s/^/$2 /")
+  }
+  run before n64_1; run . n128_1; run before n64_2; run . n128_2
+  exit 0
+fi
 if [ "$1" = ab ]; then
   run() {
     (cd "$1" && PYTHONPATH=$PWD:/tmp/site timeout 130 python3 -m bench.verify_step \
@@ -62,5 +81,5 @@ if [ "$1" = ab ]; then
   run before before1; run . after1; run before before2; run . after2
   exit 0
 fi
-echo "usage: bash bench/gpu_s20.sh probe|prefetch|ab|final" >&2
+echo "usage: bash bench/gpu_s20.sh probe|prefetch|ab|final|ab2" >&2
 exit 2
