@@ -98,9 +98,16 @@ SPEC = [
            f"{rate('splitflash_spec_accepted_tokens_total')}", "rejected"),
           unit="suffix: tok/s", stack=True),
     panel("Fallback steps/s by reason", "Request-steps decoded without drafts (drafter down, "
-          "past deadline, disabled, error).",
+          "past deadline, disabled, error, or unprofitable: paused by the gateway because "
+          "plain steps decoded faster).",
           (rate("splitflash_spec_fallback_steps_total", "reason"), "{{reason}}"),
           unit="suffix: steps/s", stack=True),
+    panel("Speculation gate: one request's decode speed each way", "What the gateway "
+          "measures and compares: tokens committed per request / step seconds over recent "
+          "speculative and plain steps. Drafting pauses while plain is above speculative "
+          "(a drafter that no longer predicts the text).",
+          ("max by (mode) (splitflash_spec_gate_tokens_per_second)", "{{mode}}"),
+          unit="suffix: tok/s"),
     panel("Invariant violations", "Broken §4 invariants per interval; must stay 0.",
           (f"sum by (invariant) (increase(splitflash_spec_invariant_violations_total{R}))",
            "{{invariant}}"), stack=True),

@@ -82,6 +82,10 @@ class Cluster:
             "SPLITFLASH_GATEWAY_DRAFT_ADDR": self.draft_addr if self.drafter != "none" else "",
             "SPLITFLASH_GATEWAY_MAX_CONTEXT": "2048",
             "SPLITFLASH_GATEWAY_DRAFT_TIMEOUT_S": "5",
+            # These tests check drafting itself (stats, fallbacks, a drafter's restart): the
+            # speculation gate, which may pause an unprofitable drafter on a slow CI box, is
+            # off here; tests/integration/test_spec_gate_services.py tests it.
+            "SPLITFLASH_GATEWAY_SPEC_GATE": "0",
             **self.extra_env,
         }
 

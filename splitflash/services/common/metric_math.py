@@ -44,7 +44,10 @@ INVARIANTS: tuple[str, ...] = (
 
 PREFIX = "splitflash_"
 PHASES: tuple[str, ...] = ("draft", "verify", "transport", "schedule")
-FALLBACK_REASONS: tuple[str, ...] = ("drafter_down", "deadline", "disabled", "error")
+FALLBACK_REASONS: tuple[str, ...] = (
+    "drafter_down", "deadline", "disabled", "error", "unprofitable",
+)  # fmt: skip
+GATE_MODES: tuple[str, ...] = ("speculative", "plain")  # gateway/spec_gate.py
 LAYER_KINDS: tuple[str, ...] = ("sliding", "full")
 MAX_POSITIONS = 16  # block size up to 16: positions 0..15 pre-created, deeper ones on demand
 
@@ -116,7 +119,8 @@ METRICS = MappingProxyType(
         ),
         "spec_fallback_steps": _d(
             "counter", "Request-steps run as plain target decode: drafter down, past its "
-            "deadline, disabled (by request or server), or failed.",
+            "deadline, disabled (by request or server), failed, or paused by the gateway "
+            "because plain steps decoded faster (unprofitable).",
             ("reason", FALLBACK_REASONS),
         ),
         # -- gateway
@@ -136,6 +140,11 @@ METRICS = MappingProxyType(
             "c-token commit gives c-1 zero gaps and one step gap).", buckets=TOKEN_BUCKETS,
         ),
         "running_requests": _d("gauge", "Requests in the running batch."),
+        "spec_gate_tokens_per_second": _d(
+            "gauge", "The speculation gate's measure of one request's decode speed each way "
+            "(tokens committed per request / step seconds, median of recent steps); drafting "
+            "pauses while plain is faster.", ("mode", GATE_MODES),
+        ),
         "waiting_requests": _d("gauge", "Requests queued, not yet admitted."),
         "generated_tokens": _d(
             "counter", "Tokens streamed to clients (== sum of commit_len), by request context.",

@@ -32,6 +32,11 @@ class GatewaySettings:
     max_block_size: int = 16
     default_max_tokens: int = 256
     draft_timeout_s: float = 2.0  # a drafter later than this: the step runs without drafts
+    # The speculation gate (spec_gate.py): drafting pauses while plain steps decode faster
+    # (fallback reason "unprofitable"); the slower mode is tried every spec_probe_every
+    # steps. False: draft at every step, whatever it costs.
+    spec_gate: bool = True
+    spec_probe_every: int = 32
     verify_timeout_s: float = 60.0
     heartbeat_s: float = 1.0
     trace_requests: int = 256  # per-request traces kept in memory (most recent)
@@ -50,6 +55,8 @@ class GatewaySettings:
             raise ValueError(f"block_size {self.block_size} outside 2..{self.max_block_size}")
         if self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+        if self.spec_probe_every < 1:
+            raise ValueError(f"spec_probe_every must be >= 1, got {self.spec_probe_every}")
         if self.max_attempts < 1 or self.discovery_s <= 0:
             raise ValueError("max_attempts must be >= 1 and discovery_s > 0")
         if not self.verify_endpoints:

@@ -87,9 +87,10 @@ class Drafting:
                 job.draft, job.drafter_generation = other, STALE
 
     async def propose(
-        self, jobs: list[Job], running: list[Job], timer: StepTimer
+        self, jobs: list[Job], running: list[Job], timer: StepTimer, paused: bool = False
     ) -> tuple[dict[str, list[int]], dict[str, str]]:
-        """Drafts per request id, and the fallback reason of each request drafting none."""
+        """Drafts per request id, and the fallback reason of each request drafting none.
+        paused: the speculation gate (spec_gate.py) holds drafting back for this step."""
         self._repin(jobs, running)
         fallback: dict[str, str] = {}
         asking: list[Job] = []
@@ -99,7 +100,10 @@ class Drafting:
             elif job.draft is None or not job.draft.alive:
                 fallback[job.request_id] = "drafter_down"
             elif job.remaining > 1:
-                asking.append(job)
+                if paused:
+                    fallback[job.request_id] = "unprofitable"
+                else:
+                    asking.append(job)
         # a restarted or re-pinned drafter lost the state: re-open before proposing
         stale = [j for j in asking if j.drafter_generation != j.draft.generation]
         if stale:

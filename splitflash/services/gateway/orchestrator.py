@@ -26,6 +26,7 @@ from splitflash.protocol import (
     VerifyItem,
     VerifyReply,
 )
+from splitflash.services.common.metric_math import GATE_MODES
 from splitflash.services.common.metrics import GatewayMetrics
 from splitflash.services.gateway.api_errors import ApiError
 from splitflash.services.gateway.config import GatewaySettings
@@ -36,6 +37,7 @@ from splitflash.services.gateway.links import WorkerLink
 from splitflash.services.gateway.placement import group_by, place
 from splitflash.services.gateway.recovery import Recovery, recovery_for
 from splitflash.services.gateway.results import commit, fail, finish
+from splitflash.services.gateway.spec_gate import SpecGate
 from splitflash.services.gateway.step_record import StepTimer, record_result
 
 log = logging.getLogger("splitflash.gateway.orchestrator")
@@ -60,6 +62,7 @@ class Orchestrator:
         self.releases: dict[WorkerLink, set[str]] = {}  # to release once the worker answers
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.gate = SpecGate(settings.spec_probe_every) if settings.spec_gate else None
 
     # --- intake ----------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -179,7 +182,10 @@ class Orchestrator:
                 jobs.append(job)
         if not jobs:
             return
-        drafts, fallback = await self.drafting.propose(jobs, self.running, timer)
+        speculate = self.gate is None or self.gate.speculate()
+        drafts, fallback = await self.drafting.propose(
+            jobs, self.running, timer, paused=not speculate
+        )
         timer.mark("draft")
         groups = group_by(jobs, lambda j: j.verify)
         replies = await asyncio.gather(
@@ -187,6 +193,7 @@ class Orchestrator:
         )
         ok = [r for r in replies if not isinstance(r, Exception)]
         timer.mark("verify", max((r.timings.get("total", 0.0) for r in ok), default=0.0))
+        committed: list[int] = []  # commit_len of each request the step served
         for (link, group), reply in zip(groups.items(), replies, strict=True):
             if isinstance(reply, Exception):
                 self._worker_failed(link, group, reply)
@@ -199,7 +206,19 @@ class Orchestrator:
                 reason = fallback.get(job.request_id)
                 record_result(job, result, n_drafted, reason, timer, self.metrics)
                 commit(job, result.committed_ids, result.finished_reason, self.metrics)
+                committed.append(result.commit_len)
+        self._gate_record(bool(drafts), committed, time.perf_counter() - timer.start)
         timer.finish(self.metrics, max(j.base_len for j in jobs))
+
+    def _gate_record(self, drafted: bool, committed: list[int], seconds: float) -> None:
+        if self.gate is None or not committed:
+            return
+        self.gate.record(drafted, sum(committed) / len(committed), seconds)
+        gauge = self.metrics.spec_gate_tokens_per_second
+        for mode in GATE_MODES:
+            rate = self.gate.rate(mode)
+            if rate is not None:
+                gauge.labels(mode=mode).set(rate)
 
     async def _verify_on(
         self, link: WorkerLink, jobs: list[Job], drafts: dict[str, list[int]]
