@@ -5,8 +5,10 @@ mean commit_len stuck at 1.00, because the drafter's sliding window was not appl
 runs the same question on our stack: the engines built as the services build them (verify:
 `load_engine`, CUDA graphs on CUDA; draft: `build_dflash_drafter`, KV pool and graphs on
 CUDA), one greedy request at each context, target-only and with DFlash (window as the
-checkpoint says, and optionally `off`: the incident's failure mode). Every DFlash output
-is compared with the target-only one token for token (see below).
+checkpoint says, and optionally `off`: the incident's failure mode), and with --gate DFlash
+under the gateway's speculation gate (services/gateway/spec_gate.py: drafting paused while
+plain steps are faster). Every DFlash output is compared with the target-only one token
+for token (see below).
 
 On CUDA each way runs twice per context: the first run is a warm-up (it captures the CUDA
 graphs of its shapes and autotunes the kernels: ~1 s per new graph), the second is timed
@@ -129,6 +131,7 @@ def run(args) -> list[dict]:
     from splitflash.models import store
     from splitflash.models.loading import load_tokenizer
     from splitflash.services.draft.dflash_drafter import build_dflash_drafter
+    from splitflash.services.gateway.spec_gate import SpecGate
     from splitflash.services.verify.config import VerifySettings
     from splitflash.services.verify.loader import load_engine
 
@@ -158,6 +161,8 @@ def run(args) -> list[dict]:
         engine = engines[mode]
         prompt = build_prompt(tokenizer, ctx)
         ways = {"target-only": None} | {f"dflash ({w})": d for w, d in drafters.items()}
+        if args.gate:  # the gateway's speculation gate over the first drafter
+            ways["dflash gated"] = next(iter(drafters.values()))
         ref = None
         for way, drafter in ways.items():
             name = way if len(args.invariant) == 1 else f"{way} [invariant {mode}]"
@@ -165,8 +170,9 @@ def run(args) -> list[dict]:
                 for timer in (verify_ms[mode], *propose_ms.values()):
                     timer.ms.clear()
                 before = _captures(engine, drafter)
+                gate = SpecGate() if way == "dflash gated" else None  # a fresh one per run
                 gen = generate_local(engine, drafter, prompt, args.max_tokens,
-                                     block_size=args.block_size)  # fmt: skip
+                                     block_size=args.block_size, gate=gate)  # fmt: skip
             captures = _captures(engine, drafter) - before
             rate, timed = decode_rate(gen, args.warm_steps)
             step_ms = sorted(s * 1e3 for s, _ in gen.steps[args.warm_steps :]) or [0.0]
@@ -174,6 +180,7 @@ def run(args) -> list[dict]:
                        decode_tok_s=rate,
                        steps_timed=timed, prefill_s=gen.prefill_seconds,
                        mean_commit_len=gen.stats.mean_commit_len,
+                       paused_steps=gen.paused_steps,
                        step_ms_median=step_ms[len(step_ms) // 2], step_ms_max=step_ms[-1],
                        timed_captures=captures, verify_ms_median=verify_ms[mode].median(),
                        propose_ms_median=sum(t.median() for t in propose_ms.values()),
@@ -189,6 +196,7 @@ def run(args) -> list[dict]:
                   f"(median {row['step_ms_median']:.2f} ms, max {row['step_ms_max']:.2f}, "
                   f"{captures} captures; verify {row['verify_ms_median']:.2f} ms, propose "
                   f"{row['propose_ms_median']:.2f} ms), commit_len {row['mean_commit_len']:.2f}, "
+                  f"{gen.paused_steps} paused, "
                   f"prefill {row['prefill_s']:.2f} s", flush=True)  # fmt: skip
             if "divergence" in row:
                 print(f"    differs from target-only: {row['divergence']}", flush=True)
@@ -207,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1400, 32768, 185_000])
     p.add_argument("--windows", nargs="+", default=["checkpoint"], choices=["checkpoint", "off"],
                    help="drafter sliding window(s) to run")  # fmt: skip
+    p.add_argument(
+        "--gate",
+        action="store_true",
+        help="also DFlash under the gateway's speculation gate (fresh per run)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--warm-steps", type=int, default=3)

@@ -14,6 +14,7 @@ from splitflash.models.dflash import DFlashDesyncError
 from splitflash.models.kv_cache import PagedKVCache
 from splitflash.models.loading import load_target, load_tokenizer
 from splitflash.services.common.spec_stats import SpecStats
+from splitflash.services.gateway.spec_gate import SpecGate
 from splitflash.services.verify.engine import TargetEngine, VerifyInput
 from splitflash.services.verify.sampling import Sampling
 
@@ -27,6 +28,7 @@ class Generation:
     finish_reason: str = "length"
     prefill_seconds: float = 0.0  # prompt forward + the drafter's prompt features
     steps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens committed)
+    paused_steps: int = 0  # steps the speculation gate ran without drafting
 
     @property
     def tokens_per_second(self) -> float:
@@ -54,8 +56,11 @@ def generate_local(
     sampling: Sampling = Sampling(),
     stop_ids=(),
     block_size: int = 8,
+    gate: SpecGate | None = None,
 ) -> Generation:
-    """Generate up to max_tokens; drafter None = target-only decoding.
+    """Generate up to max_tokens; drafter None = target-only decoding. gate: the gateway's
+    speculation gate (services/gateway/spec_gate.py) decides before each step whether the
+    drafter drafts, from this generation's own step times.
 
     A drafter with `add_features` (DFlash) is conditioned on the target: after every step the
     kept rows' hidden features go to it (the engine must export its `target_layer_ids`), and
@@ -65,6 +70,7 @@ def generate_local(
     stats = SpecStats()
     violations: list[str] = []
     steps: list[tuple[float, int]] = []
+    paused = 0
     report = engine.prefill(rid, prompt_ids, sampling, stop_ids, max_tokens)
     out = list(report.outcome.committed)
     feeds = drafter is not None and hasattr(drafter, "add_features")
@@ -84,7 +90,9 @@ def generate_local(
                     f"drafter context {drafter.context_len(rid)} != target KV length "
                     f"{engine.cache.seq(rid).length}"
                 )
-            drafts = drafter.propose(rid, block_size - 1) if drafter is not None else []
+            drafting = drafter is not None and (gate is None or gate.speculate())
+            paused += drafter is not None and not drafting
+            drafts = drafter.propose(rid, block_size - 1) if drafting else []
             (report,) = engine.verify([VerifyInput(rid, base_len, drafts, max_tokens - len(out))])
             if report.error:
                 raise RuntimeError(report.error)
@@ -97,11 +105,14 @@ def generate_local(
                 drafter.extend(rid, o.committed, len(prompt_ids) + len(out))
                 if feeds:
                     drafter.add_features(rid, report.feature_start, report.features)
-            steps.append((time.perf_counter() - t_step, o.commit_len))
+            step_s = time.perf_counter() - t_step
+            if gate is not None and drafter is not None:
+                gate.record(drafting, o.commit_len, step_s)
+            steps.append((step_s, o.commit_len))
     finally:
         engine.release(rid)
         if drafter is not None:
             drafter.release(rid)
     reason = "stop" if out and out[-1] in set(stop_ids) else "length"
     seconds = time.perf_counter() - t0
-    return Generation(out, stats, seconds, violations, reason, prefill_s, steps)
+    return Generation(out, stats, seconds, violations, reason, prefill_s, steps, paused)

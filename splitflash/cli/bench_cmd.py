@@ -13,6 +13,7 @@ BENCHES = {
     "invariant_sweep": "bench.invariant_sweep",
     "launch_floor": "bench.launch_floor",
     "attn_floor": "bench.attn_floor",
+    "spec_gate": "bench.spec_gate",
     "verify_step": "bench.verify_step",
     "drafter": "bench.drafter",
     "drafter_step": "bench.drafter_step",

@@ -61,7 +61,7 @@ async def generate(runtime: GatewayRuntime, job: Job) -> list[int]:
             raise AssertionError(f"{job.request_id} failed: {event}")
 
 
-def serve_and_generate(drafter: ScriptedDrafter, jobs: list[Job]):
+def serve_and_generate(drafter: ScriptedDrafter, jobs: list[Job], probe_every=PROBE_EVERY):
     """Each job's ids (in order, one at a time), the gateway's metrics text, the jobs."""
     from prometheus_client import generate_latest
 
@@ -76,7 +76,7 @@ def serve_and_generate(drafter: ScriptedDrafter, jobs: list[Job]):
         ) as v,  # fmt: skip
     ):
         settings = GatewaySettings(verify_addr=v.endpoint, draft_addr=d.endpoint,
-                                   spec_probe_every=PROBE_EVERY)  # fmt: skip
+                                   spec_probe_every=probe_every)  # fmt: skip
 
         async def go():
             runtime = GatewayRuntime(settings, tokenizer=None)
@@ -104,10 +104,12 @@ def drafted_steps(job: Job) -> list[bool]:
 
 def test_a_drafter_that_only_slows_decoding_is_paused_and_probed():
     reference_job, spec_job = make_job("plain", spec=False), make_job("spec", spec=True)
-    drafter = ScriptedDrafter(None, wrong=1, delay_s=0.03)  # 30 ms: far above a tiny step
+    # 0.2 s a proposal: ~100x a tiny model's step, so a loaded CI machine's slow steps
+    # cannot turn the comparison the gate makes
+    drafter = ScriptedDrafter(None, wrong=1, delay_s=0.2)
     (reference, got), metrics = serve_and_generate(drafter, [reference_job, spec_job])
     assert got == reference  # lossless whatever the gate decides
-    assert reference.count(1) < len(reference) // 4  # the wrong token is rarely the answer
+    assert 1 not in reference  # so every draft is rejected
     paused = sample(metrics, "splitflash_spec_fallback_steps_total", reason="unprofitable")
     drafted = drafted_steps(spec_job)
     # 8 speculative steps to judge, then plain with a speculative probe every PROBE_EVERY
@@ -126,8 +128,8 @@ def test_a_drafter_that_is_right_keeps_drafting():
     (reference,), _ = serve_and_generate(ScriptedDrafter(None), [reference_job])
     spec_job = make_job("spec", spec=True)
     drafter = ScriptedDrafter(PROMPT + reference)
-    (got,), metrics = serve_and_generate(drafter, [spec_job])
+    (got,), metrics = serve_and_generate(drafter, [spec_job], probe_every=32)
     assert got == reference
     assert spec_job.stats.mean_commit_len > 3.0  # block 4: nearly every draft accepted
     paused = sample(metrics, "splitflash_spec_fallback_steps_total", reason="unprofitable")
-    assert paused <= 2  # at most the plain step(s) taken to measure plain speed
+    assert paused <= 1  # at most the plain step taken to measure plain speed

@@ -104,3 +104,34 @@ def test_steps_that_committed_nothing_are_not_measured_and_settings_are_checked(
     assert gate.speculative_steps == 0
     with pytest.raises(ValueError, match="probe_every"):
         SpecGate(probe_every=0)
+
+
+def test_local_generation_under_the_gate_pauses_a_costly_drafter_and_stays_exact():
+    """generate_local (the `generate` CLI, bench/long_context.py) with the gate: a drafter
+    whose drafts are always rejected and cost 0.2 s (~100x a tiny step, so that a loaded CI
+    machine's slow steps cannot turn the comparison) drafts only in the first min_steps
+    steps and on probes, and the tokens are target-only's."""
+    import time
+
+    from splitflash.local import generate_local
+    from splitflash.services.draft.ngram import NgramDrafter
+    from tests.conftest import tiny_engine, tiny_model
+
+    class CostlyWrongDrafter(NgramDrafter):
+        def propose(self, request_id: str, k: int) -> list[int]:
+            time.sleep(0.2)
+            return [1] * k
+
+    engine = tiny_engine(tiny_model(seed=7), pages=128)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 1, 2]
+    plain = generate_local(engine, None, prompt, 40)
+    assert 1 not in plain.token_ids  # so every draft is rejected
+    gate = SpecGate(probe_every=8)
+    gated = generate_local(engine, CostlyWrongDrafter(), prompt, 40, block_size=4, gate=gate)
+    assert gated.token_ids == plain.token_ids and gated.violations == []
+    steps = gated.stats.steps
+    drafted = steps - gated.paused_steps
+    assert gated.paused_steps >= steps - gate.min_steps - steps // 8 - 2
+    assert drafted >= gate.min_steps + 2  # judged, then kept probing
+    assert gate.rate(PLAIN) > gate.rate(SPECULATIVE)
+    assert engine.cache.free_pages == engine.cache.num_pages
