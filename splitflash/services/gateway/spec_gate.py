@@ -6,16 +6,26 @@ behind splitflash, or the shipped DFlash drafter past its trained context), spec
 loss: on the H200 with the default model it decoded 457 tok/s against target-only 953 at
 32k, and 302 against 492 at 185k (bench/RESULTS.md, session 18).
 
-The gate measures both ways on live traffic. A step's rate is the tokens it committed per
-request over its wall time (one request's decode speed), kept per mode as the median of the
-last WINDOW steps of that mode (robust to a one-off slow step: a graph capture, a GC
-pause). It speculates first, judges after `min_steps` speculative steps (then tries one
-plain step to have both rates), runs whichever mode is faster, and every `probe_every`
-steps tries the other mode once, so it follows a context that grows and a drafter that
-recovers. Output does not change: greedy speculative and plain steps commit the same
-tokens, sampled ones the same distribution. A paused step's requests are counted as
-fallback steps with reason "unprofitable", and both rates are exported, so the
-decision shows on the dashboards.
+The gate measures both ways on live traffic. Per mode it keeps the last WINDOW steps and
+compares pooled rates, tokens committed per request over seconds summed over the window,
+never a mean or median of per-step rates (DESIGN.md §4): a drafter's commits per step are
+skewed (many steps commit 1 or 2, a few commit many), and the first version of this gate,
+comparing medians of per-step rates, paused DFlash at 1.4k and 8k on the H200, where it
+decodes 1.35-1.41x as fast as plain steps (bench/RESULTS.md). A mode's first step is not
+counted (it measures set-up: a CUDA graph captured, kernels autotuned), and a step counts
+at most CLIP x the window's median step time (a pause, a hiccup).
+
+The gate speculates first, judges after `min_steps` speculative steps (then runs plain
+steps until it has both rates), pauses drafting only while plain decodes more than
+(1 + MARGIN) x as fast (a marginal drafter keeps drafting), and every `probe_every` steps
+tries the other mode once. A try that beats the favoured mode's rate is followed by another
+(up to WINDOW in a row), so a drafter that recovers refills its window at once instead of
+one try per `probe_every` steps; a try that loses costs one step.
+
+Output does not change: greedy speculative and plain steps commit the same tokens, sampled
+ones the same distribution. A paused step's requests are counted as fallback steps with
+reason "unprofitable", and both rates are exported, so the decision shows on the
+dashboards.
 
 Pure logic, no I/O: the orchestrator asks `speculate()` before a step and `record()`s it.
 """
@@ -29,18 +39,39 @@ from statistics import median
 from splitflash.services.common.metric_math import GATE_MODES
 
 SPECULATIVE, PLAIN = GATE_MODES
-WINDOW = 5  # recent steps per mode whose median is the mode's rate
+WINDOW = 32  # recent counted steps per mode behind its pooled rate
+CLIP = 2.0  # a step counts at most this many times the window's median step time
+MARGIN = 0.2  # drafting pauses only while plain decodes > (1 + MARGIN) x as fast
+
+
+@dataclass
+class _Mode:
+    """One mode's recent steps: (tokens committed per request, seconds)."""
+
+    steps: int = 0  # steps run in this mode, the uncounted first one included
+    window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    last_rate: float = 0.0  # the latest step's own tokens / seconds
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.steps += 1
+        self.last_rate = tokens / seconds
+        if self.steps > 1:  # the first one is set-up, not speed
+            self.window.append((tokens, seconds))
+
+    def rate(self) -> float | None:
+        if not self.window:
+            return None
+        cap = CLIP * median(s for _, s in self.window)
+        return sum(t for t, _ in self.window) / sum(min(s, cap) for _, s in self.window)
 
 
 @dataclass
 class SpecGate:
-    probe_every: int = 32  # steps in the faster mode between two tries of the other one
-    min_steps: int = 8  # speculative steps measured before the first judgement
-    samples: dict[str, deque[float]] = field(
-        default_factory=lambda: {mode: deque(maxlen=WINDOW) for mode in GATE_MODES}
-    )  # tokens per request per second of recent steps, by mode
-    speculative_steps: int = 0
-    since_probe: int = 0  # steps run in the faster mode since the other one was last tried
+    probe_every: int = 32  # steps in the favoured mode between two tries of the other one
+    min_steps: int = 16  # speculative steps measured before the first judgement
+    modes: dict[str, _Mode] = field(default_factory=lambda: {m: _Mode() for m in GATE_MODES})
+    since_probe: int = 0  # steps run in the favoured mode since the other one was tried
+    trying: int = 0  # tries of the other mode in a row, the current one included
 
     def __post_init__(self) -> None:
         if self.probe_every < 1 or self.min_steps < 1:
@@ -48,30 +79,37 @@ class SpecGate:
                 f"probe_every and min_steps must be >= 1, got {self.probe_every}, {self.min_steps}"
             )
 
+    @property
+    def speculative_steps(self) -> int:
+        return self.modes[SPECULATIVE].steps
+
     def rate(self, mode: str) -> float | None:
         """One request's decode speed in this mode, tokens/s (None: not measured yet)."""
-        recent = self.samples[mode]
-        return median(recent) if recent else None
+        return self.modes[mode].rate()
 
     def speculate(self) -> bool:
         """Draft in the next step?"""
         if self.speculative_steps < self.min_steps:
             return True
         fast, plain = self.rate(SPECULATIVE), self.rate(PLAIN)
-        if plain is None:  # both rates are needed to judge: one plain step
+        if plain is None:  # both rates are needed to judge: plain steps until it has one
             return False
-        faster_is_spec = fast is not None and fast >= plain
+        favoured = SPECULATIVE if fast is not None and plain <= (1 + MARGIN) * fast else PLAIN
+        other = PLAIN if favoured == SPECULATIVE else SPECULATIVE
+        promising = self.modes[other].last_rate > self.modes[favoured].rate()
+        if self.trying and promising and self.trying < WINDOW:
+            self.trying += 1  # the last try beat the favoured mode: try again
+            return other == SPECULATIVE
+        self.trying = 0
         if self.since_probe >= self.probe_every:
-            self.since_probe = 0
-            return not faster_is_spec
+            self.since_probe, self.trying = 0, 1
+            return other == SPECULATIVE
         self.since_probe += 1
-        return faster_is_spec
+        return favoured == SPECULATIVE
 
     def record(self, drafted: bool, tokens_per_request: float, seconds: float) -> None:
         """A finished step: did any request draft, tokens committed per request (mean over
         the step's requests), its wall time."""
         if seconds <= 0 or tokens_per_request <= 0:
             return  # nothing committed (every request failed): says nothing of speed
-        self.samples[SPECULATIVE if drafted else PLAIN].append(tokens_per_request / seconds)
-        if drafted:
-            self.speculative_steps += 1
+        self.modes[SPECULATIVE if drafted else PLAIN].add(tokens_per_request, seconds)
