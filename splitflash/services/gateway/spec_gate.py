@@ -11,16 +11,20 @@ compares pooled rates, tokens committed per request over seconds summed over the
 never a mean or median of per-step rates (DESIGN.md §4): a drafter's commits per step are
 skewed (many steps commit 1 or 2, a few commit many), and the first version of this gate,
 comparing medians of per-step rates, paused DFlash at 1.4k and 8k on the H200, where it
-decodes 1.35-1.41x as fast as plain steps (bench/RESULTS.md). A mode's first step is not
-counted (it measures set-up: a CUDA graph captured, kernels autotuned), and a step counts
-at most CLIP x the window's median step time (a pause, a hiccup).
+decodes 1.35-1.41x as fast as plain steps (bench/RESULTS.md). A step counts only when the
+step before it ran in the same mode: the first step after a switch pays for the switch (a
+drafter ingesting the context it skipped: DFlash's proposes took 6-9 ms instead of 1 ms
+there on the H200; a CUDA graph captured the first time), not for the mode. A counted step
+weighs at most CLIP x the window's median step time (a pause, a hiccup).
 
 The gate speculates first, judges after `min_steps` speculative steps (then runs plain
 steps until it has both rates), pauses drafting only while plain decodes more than
-(1 + MARGIN) x as fast (a marginal drafter keeps drafting), and every `probe_every` steps
-tries the other mode once. A try that beats the favoured mode's rate is followed by another
-(up to WINDOW in a row), so a drafter that recovers refills its window at once instead of
-one try per `probe_every` steps; a try that loses costs one step.
+(1 + MARGIN) x as fast (a marginal drafter keeps drafting), and after `probe_every` steps
+tries the other mode for two steps (the second is the measured one). While tried steps beat
+the favoured mode's rate, the try goes on (up to WINDOW steps), so a drafter that recovers
+refills its window at once. A try that loses costs two steps and the switch, so the wait
+before the next one doubles, up to MAX_BACKOFF x `probe_every` steps; it is back to
+`probe_every` once a try wins or the favoured mode changes.
 
 Output does not change: greedy speculative and plain steps commit the same tokens, sampled
 ones the same distribution. A paused step's requests are counted as fallback steps with
@@ -42,21 +46,22 @@ SPECULATIVE, PLAIN = GATE_MODES
 WINDOW = 32  # recent counted steps per mode behind its pooled rate
 CLIP = 2.0  # a step counts at most this many times the window's median step time
 MARGIN = 0.2  # drafting pauses only while plain decodes > (1 + MARGIN) x as fast
+MAX_BACKOFF = 8  # the wait between losing tries grows up to this many x probe_every
 
 
 @dataclass
 class _Mode:
-    """One mode's recent steps: (tokens committed per request, seconds)."""
+    """One mode's recent counted steps: (tokens committed per request, seconds)."""
 
-    steps: int = 0  # steps run in this mode, the uncounted first one included
     window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
-    last_rate: float = 0.0  # the latest step's own tokens / seconds
+    steps: int = 0  # steps run in this mode, uncounted ones included
+    last_rate: float = 0.0  # the latest counted step's own tokens / seconds
 
-    def add(self, tokens: float, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, counted: bool) -> None:
         self.steps += 1
-        self.last_rate = tokens / seconds
-        if self.steps > 1:  # the first one is set-up, not speed
+        if counted:
             self.window.append((tokens, seconds))
+            self.last_rate = tokens / seconds
 
     def rate(self) -> float | None:
         if not self.window:
@@ -71,7 +76,10 @@ class SpecGate:
     min_steps: int = 16  # speculative steps measured before the first judgement
     modes: dict[str, _Mode] = field(default_factory=lambda: {m: _Mode() for m in GATE_MODES})
     since_probe: int = 0  # steps run in the favoured mode since the other one was tried
-    trying: int = 0  # tries of the other mode in a row, the current one included
+    wait: int = 0  # favoured steps before the next try (probe_every, doubled per lost try)
+    favoured: str | None = None  # the mode the last judgement favoured
+    trying: int = 0  # steps of the current try of the other mode so far (0: none)
+    last_mode: str | None = None  # the mode of the last recorded step
 
     def __post_init__(self) -> None:
         if self.probe_every < 1 or self.min_steps < 1:
@@ -96,12 +104,18 @@ class SpecGate:
             return False
         favoured = SPECULATIVE if fast is not None and plain <= (1 + MARGIN) * fast else PLAIN
         other = PLAIN if favoured == SPECULATIVE else SPECULATIVE
-        promising = self.modes[other].last_rate > self.modes[favoured].rate()
-        if self.trying and promising and self.trying < WINDOW:
-            self.trying += 1  # the last try beat the favoured mode: try again
-            return other == SPECULATIVE
-        self.trying = 0
-        if self.since_probe >= self.probe_every:
+        if favoured != self.favoured:
+            self.favoured, self.wait = favoured, self.probe_every
+        if self.trying:
+            winning = self.modes[other].last_rate > self.modes[favoured].rate()
+            if self.trying < 2 or (winning and self.trying < WINDOW):
+                self.trying += 1  # the switch step, or a try that still wins
+                return other == SPECULATIVE
+            lost = self.trying == 2
+            self.trying = 0
+            cap = MAX_BACKOFF * self.probe_every
+            self.wait = min(2 * self.wait, cap) if lost else self.probe_every
+        if self.since_probe >= self.wait:
             self.since_probe, self.trying = 0, 1
             return other == SPECULATIVE
         self.since_probe += 1
@@ -112,4 +126,6 @@ class SpecGate:
         the step's requests), its wall time."""
         if seconds <= 0 or tokens_per_request <= 0:
             return  # nothing committed (every request failed): says nothing of speed
-        self.modes[SPECULATIVE if drafted else PLAIN].add(tokens_per_request, seconds)
+        mode = SPECULATIVE if drafted else PLAIN
+        self.modes[mode].add(tokens_per_request, seconds, counted=mode == self.last_mode)
+        self.last_mode = mode
