@@ -1,6 +1,7 @@
 """The gateway's speculation gate end to end (services/gateway/spec_gate.py): `splitflash up`
 with the gate on and off, alternated `--rounds` times, the same greedy requests through HTTP.
-Per setting and prompt: decode tokens/s of a speculative request and of a target-only one
+Per setting and chat prompt: tokens/s of a speculative request (wall time of the whole
+non-streaming request) and of a target-only one
 (`speculative.enabled` false, the yardstick, measured in the same server), its mean
 commit_len, and the request-steps the gate paused (fallback reason "unprofitable").
 
@@ -18,9 +19,9 @@ import sys
 import time
 import urllib.request
 
-PROMPTS = {
+PROMPTS = {  # chat messages: free prose, and text a drafter can predict
     "hash_table": "Explain in a few sentences how a hash table works and why lookups are fast.",
-    "counting": "Count from 1 to 60, separated by commas: 1, 2, 3,",
+    "counting": "Count from 1 to 60, separated by commas.",
 }
 
 
@@ -56,16 +57,17 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def _request(url: str, prompt: str, max_tokens: int, spec: bool) -> dict:
-    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "speculative": {"enabled": spec}}  # fmt: skip
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0,
+            "speculative": {"enabled": spec}}  # fmt: skip
     start = time.perf_counter()
-    reply = _post(url + "/v1/completions", body)
+    reply = _post(url + "/v1/chat/completions", body)
     seconds = time.perf_counter() - start
     stats = reply.get("speculative_decoding_stats", {})
     tokens = reply["usage"]["completion_tokens"]
     return dict(tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
                 mean_commit_len=stats.get("mean_commit_len"),
-                text=reply["choices"][0]["text"])  # fmt: skip
+                text=reply["choices"][0]["message"]["content"])  # fmt: skip
 
 
 def run_setting(args, gate: bool) -> list[dict]:

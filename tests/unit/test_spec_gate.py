@@ -74,6 +74,16 @@ def test_follows_a_drafter_that_fails_then_recovers(catch_up_s):
     assert rates[4] >= 0.9 * best_rate(GOOD), rates
 
 
+def test_a_drafter_that_starts_badly_is_not_left_paused():
+    """The first 20 steps commit nothing extra (a text's opening the drafter cannot guess),
+    then the drafter is good; each first drafted step after plain ones costs 7 ms more (the
+    H200's DFlash catch-up). The gate pauses on what it saw, then must come back."""
+    start = dict(GOOD, commit=1.0)
+    rates = simulate(SpecGate(), [(20, start), (80, GOOD), (400, GOOD)], jitter=0.2,
+                     catch_up_s=7e-3)  # fmt: skip
+    assert rates[2] >= 0.95 * best_rate(GOOD), rates
+
+
 def test_skewed_commits_are_pooled_not_a_median_of_step_rates():
     """DFlash at 8k on the H200: 2.7 tokens a step on average from a skewed distribution
     (most steps commit 1 or 2), 2.08 ms a step against 0.99 ms plain: 1.35x plain speed.
@@ -96,7 +106,7 @@ def test_skewed_commits_are_pooled_not_a_median_of_step_rates():
     assert tokens / seconds >= 0.9 * always, (tokens / seconds, always, 1 / plain_s)
 
 
-def test_the_step_after_a_switch_is_not_counted_and_outliers_are_clipped():
+def test_the_step_after_a_switch_is_not_counted_and_outliers_do_not_count():
     gate = SpecGate(probe_every=8)
     for _ in range(gate.min_steps):
         assert gate.speculate()
@@ -106,7 +116,7 @@ def test_the_step_after_a_switch_is_not_counted_and_outliers_are_clipped():
     assert gate.rate(PLAIN) is None and not gate.speculate()  # not counted: plain again
     for _ in range(4):
         gate.record(False, 1.0, USELESS["plain_s"])
-    gate.record(False, 1.0, 0.05)  # a 50 ms pause counts as CLIP x the mean step time
+    gate.record(False, 1.0, 0.05)  # a 50 ms pause: step times take the window's median
     assert gate.rate(PLAIN) > (1 + MARGIN) * gate.rate(SPECULATIVE)
     choices = []
     for _ in range(100):

@@ -6,16 +6,17 @@ behind splitflash, or the shipped DFlash drafter past its trained context), spec
 loss: on the H200 with the default model it decoded 457 tok/s against target-only 953 at
 32k, and 302 against 492 at 185k (bench/RESULTS.md, session 18).
 
-The gate measures both ways on live traffic. Per mode it keeps the last WINDOW steps and
-compares pooled rates, tokens committed per request over seconds summed over the window,
-never a mean or median of per-step rates (DESIGN.md §4): a drafter's commits per step are
-skewed (many steps commit 1 or 2, a few commit many), and the first version of this gate,
-comparing medians of per-step rates, paused DFlash at 1.4k and 8k on the H200, where it
-decodes 1.35-1.41x as fast as plain steps (bench/RESULTS.md). A step counts only when the
-step before it ran in the same mode: the first step after a switch pays for the switch (a
-drafter ingesting the context it skipped: DFlash's proposes took 6-9 ms instead of 1 ms
-there on the H200; a CUDA graph captured the first time), not for the mode. A counted step
-weighs at most CLIP x the window's median step time (a pause, a hiccup).
+The gate measures both ways on live traffic. Per mode it keeps the last WINDOW steps, and a
+mode's rate is the mean of their tokens committed per request over the median of their
+step times. Tokens are pooled, never a mean or median of per-step rates (DESIGN.md §4): a
+drafter's commits per step are skewed (many steps commit 1 or 2, a few commit many), and
+the first version of this gate, comparing medians of per-step rates, paused DFlash at
+1.4k and 8k on the H200, where it decodes 1.35-1.41x as fast as plain steps
+(bench/RESULTS.md). Step times take the median because within a mode they are nearly
+constant (the same graphs replayed) but for outliers: a graph captured, autotuning, a
+pause. A step counts only when the step before it ran in the same mode: the first step
+after a switch pays for the switch (a drafter ingesting the context it skipped: DFlash's
+proposes took 6-9 ms instead of 1 ms there on the H200), not for the mode.
 
 The gate speculates first, judges after `min_steps` speculative steps (then runs plain
 steps until it has both rates), pauses drafting only while plain decodes more than
@@ -44,7 +45,6 @@ from splitflash.services.common.metric_math import GATE_MODES
 
 SPECULATIVE, PLAIN = GATE_MODES
 WINDOW = 32  # recent counted steps per mode behind its pooled rate
-CLIP = 2.0  # a step counts at most this many times the window's median step time
 MARGIN = 0.2  # drafting pauses only while plain decodes > (1 + MARGIN) x as fast
 MAX_BACKOFF = 8  # the wait between losing tries grows up to this many x probe_every
 
@@ -66,8 +66,8 @@ class _Mode:
     def rate(self) -> float | None:
         if not self.window:
             return None
-        cap = CLIP * median(s for _, s in self.window)
-        return sum(t for t, _ in self.window) / sum(min(s, cap) for _, s in self.window)
+        tokens = sum(t for t, _ in self.window) / len(self.window)
+        return tokens / median(s for _, s in self.window)
 
 
 @dataclass
