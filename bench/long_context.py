@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--gate",
         action="store_true",
-        help="also DFlash under the gateway's speculation gate (fresh per run)",
+        help="also DFlash under the gateway's speculation gate (one per context)",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
