@@ -106,8 +106,11 @@ def _maybe(url: str | None) -> Samples | None:
     return scrape(url) if url else None
 
 
+PAUSED = ("splitflash_spec_fallback_steps_total", {"reason": "unprofitable"})
+
+
 def _measure(gw, model, report, context, per, fixed, max_tokens, repeats, d_url, v_url) -> None:
-    d0, v0 = _maybe(d_url), _maybe(v_url)
+    d0, v0, g0 = _maybe(d_url), _maybe(v_url), gw.metrics()
     try:
         done = [gw.stream(model, prompt_for(context, per, fixed), max_tokens)]
         done += [gw.stream(model, prompt_for(context, per, fixed), max_tokens)
@@ -115,9 +118,11 @@ def _measure(gw, model, report, context, per, fixed, max_tokens, repeats, d_url,
     except DoctorError as e:
         report.skipped.append({"context": context, "reason": str(e)})
         return
-    d1, v1 = _maybe(d_url), _maybe(v_url)
+    d1, v1, g1 = _maybe(d_url), _maybe(v_url), gw.metrics()
     row = summarise(done)
     row["requested_context"] = context
+    if row["steps"]:  # request-steps the speculation gate ran without drafts
+        row["paused_fraction"] = delta(g1, g0, PAUSED[0], **PAUSED[1]) / row["steps"]
     row.update(
         worker_figures(
             (d0, d1) if d0 is not None and d1 is not None else None,

@@ -7,6 +7,8 @@ one or more greedy requests; DESIGN.md §4 terms):
   accepted_depth (d per step), draft_ms, verify_ms, transport_ms,
   optional: bytes_per_step (verify bytes read per step), keys_per_draft
   ({layer_kind: context keys read per draft}), no_draft_fraction (steps with K == 0),
+  paused_fraction (steps the gateway's speculation gate ran without drafts),
+  drafting_commit_len / drafting_drafted (c and K per step over the steps with K > 0),
   trace_totals / reported ({steps, draft_tokens, accepted_drafts}: summed over the trace
   vs the response's speculative_decoding_stats).
 Missing keys mean "not measured": a rule that needs them says nothing.
@@ -30,6 +32,7 @@ from splitflash.diagnosis.step_rules import (
     drafter_silent,
     invariants_broken,
     metrics_contradict,
+    speculation_paused,
     stats_disagree,
 )
 
@@ -44,6 +47,7 @@ RULES: tuple[Callable[[Sequence[Row], PolicyInfo], Finding | None], ...] = (
     throughput_collapse,
     acceptance_falls,
     drafter_silent,
+    speculation_paused,
 )
 
 

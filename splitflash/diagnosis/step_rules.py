@@ -17,15 +17,24 @@ from splitflash.diagnosis.judging import (
 )
 
 
+def _drafting(r: Row) -> tuple[float | None, float | None]:
+    """(commit_len, drafts) per step over the steps that drafted, where the row has them
+    (a paused drafter's steps otherwise dilute both), else over all steps."""
+    if num(r, "drafting_drafted") is not None:
+        return num(r, "drafting_commit_len"), num(r, "drafting_drafted")
+    return num(r, "mean_commit_len"), num(r, "drafted")
+
+
 def commit_len_stuck(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
     bad = [
         r
         for r in judged(rows)
-        if (num(r, "drafted") or 0) >= 1 and (num(r, "mean_commit_len") or 9) <= STUCK_COMMIT
+        if (_drafting(r)[1] or 0) >= 1 and (_drafting(r)[0] or 9) <= STUCK_COMMIT
     ]
     if not bad:
         return None
     r = bad[0]
+    commit, drafted = _drafting(r)
     where = ", ".join(ctx(b["context"]) for b in bad)
     note = (
         " (the 'garbage' experiment drafter is running: expected)"
@@ -34,8 +43,8 @@ def commit_len_stuck(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
     )
     return Finding(
         "commit_len_stuck",
-        f"mean commit_len {float(r['mean_commit_len']):.2f} with {float(r['drafted']):.0f} "
-        f"drafts per step (context {where}): every draft rejected, or drafter and target out "
+        f"mean commit_len {commit:.2f} with {drafted:.0f} drafts per step (steps that drafted; "
+        f"context {where}): every draft rejected, or drafter and target out "
         f"of step (context/KV desync, wrong target layers or mask token, or an attention "
         f"policy the drafter was not trained with){note}",
         "critical",
@@ -74,11 +83,14 @@ def metrics_contradict(rows: Sequence[Row], policy: PolicyInfo) -> Finding | Non
 
 def drafter_silent(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
     """A model drafter (not n-gram lookup, which often has nothing to propose) that
-    proposes nothing on most steps is down, past its deadline or refusing requests."""
+    proposes nothing on most steps is down, past its deadline or refusing requests. Steps
+    the gateway's speculation gate paused are not the drafter's silence (speculation_paused)."""
     if policy.drafter in ("", "ngram", "none"):
         return None
     for r in judged(rows):
         frac = num(r, "no_draft_fraction")
+        if frac is not None:
+            frac -= num(r, "paused_fraction") or 0.0
         if frac is not None and frac > 0.5:
             return Finding(
                 "drafter_silent",
@@ -118,3 +130,21 @@ def invariants_broken(violations: Mapping[str, float]) -> Finding | None:
         f"they relate cannot all be right (kv_length = drafter/target desync)",
         "critical",
     )
+
+
+def speculation_paused(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
+    """The gateway's speculation gate ran most steps without drafts: plain decoding was
+    faster there than drafting (fallback reason "unprofitable")."""
+    for r in judged(rows):
+        frac = num(r, "paused_fraction")
+        if frac is not None and frac > 0.5:
+            commit, _ = _drafting(r)
+            drafted = f"; its drafting steps committed {commit:.2f} tokens each" if commit else ""
+            return Finding(
+                "speculation_paused",
+                f"the gateway paused drafting on {frac:.0%} of the steps at {ctx(r['context'])}:"
+                f" plain decoding was faster there than drafting with {policy.drafter or 'the'}"
+                f" drafter{drafted}. Requests run at about target-only speed; the drafter does "
+                f"not pay here (see the other findings for why)",
+            )
+    return None

@@ -238,3 +238,30 @@ def test_doctor_exits_2_with_a_clear_message_when_the_gateway_is_unreachable(cap
         port = s.getsockname()[1]  # closed once the block ends: nobody listens there
     assert doctor_cmd.main(["--url", f"http://127.0.0.1:{port}", "--contexts", "100"]) == 2
     assert f"gateway unreachable at http://127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_paused_drafter_is_named_as_paused_and_its_stuck_commits_still_show():
+    """The gateway's speculation gate ran 90% of the steps without drafts: not a silent
+    drafter, and the drafted steps' own commit_len (1.00 with 15 drafts) is still judged,
+    where the mean over all steps (1.5 drafts per step) would hide it."""
+    paused = row(185_000, drafted=1.5, accepted_drafts=0.0, accepted_depth=0.0,
+                 mean_commit_len=1.0, no_draft_fraction=0.9, paused_fraction=0.9,
+                 drafting_commit_len=1.0, drafting_drafted=15.0)  # fmt: skip
+    found = diagnose([paused], PolicyInfo(drafter="dflash"))
+    assert codes(found) == ["commit_len_stuck", "speculation_paused"]
+    msg = by_code(found, "speculation_paused").message
+    assert "paused drafting on 90% of the steps at 185k" in msg and "1.00 tokens" in msg
+    assert "15 drafts per step (steps that drafted" in by_code(found, "commit_len_stuck").message
+    # the same row with the pauses not the gate's: the drafter itself fell silent
+    silent = dict(paused, paused_fraction=0.0)
+    assert "drafter_silent" in codes(diagnose([silent], PolicyInfo(drafter="dflash")))
+
+
+def test_summarise_keeps_the_drafting_steps_apart():
+    reqs = [dict(context=100, tokens=6, decode_s=0.3, reported={},
+                 trace=[step(1, 0, 0), step(4, 6, 3), step(1, 0, 0), step(2, 4, 1)])]  # fmt: skip
+    r = summarise(reqs)
+    assert r["drafting_commit_len"] == pytest.approx(3.0)  # (4 + 2) / 2 drafting steps
+    assert r["drafting_drafted"] == pytest.approx(5.0)
+    assert r["mean_commit_len"] == pytest.approx(2.0) and r["no_draft_fraction"] == 0.5
+    assert "drafting_commit_len" not in summarise([dict(reqs[0], trace=[step(1, 0, 0)])])
