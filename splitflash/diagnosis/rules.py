@@ -2,7 +2,8 @@
 
 A row is what `splitflash doctor` measured at one context length (per decode step means over
 one or more greedy requests; DESIGN.md §4 terms):
-  context (prompt tokens), steps, tok_s (decode tokens/s), step_ms (wall ms per step),
+  context (prompt tokens), steps, tok_s (decode tokens/s), step_ms (wall ms per step, the
+  fastest of the repeated requests),
   mean_commit_len (c), drafted (K per step), accepted_drafts (a per step),
   accepted_depth (d per step), draft_ms, verify_ms, transport_ms,
   optional: bytes_per_step (verify bytes read per step), keys_per_draft

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,11 +15,30 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Ports handed out by this process: a port is never given twice, since the service it
+# was meant for may not have bound it yet.
+_HANDED_OUT: set[int] = set()
+# Below Linux's ephemeral range (32768-60999 by default), where bind(0) and every
+# outbound connection take their ports: a port from there can be taken by some client
+# socket between the check and the service's bind (CI once failed on exactly that).
+_PORT_RANGE = (20000, 32000)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that binds now, outside the ephemeral range, not handed out before."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(*_PORT_RANGE)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {_PORT_RANGE}")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:

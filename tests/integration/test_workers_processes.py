@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from splitflash.models import store
 from splitflash.models.kv_cache import PagedKVCache
 from splitflash.protocol import PeerTimeout, ProtocolError
 from splitflash.services.verify.engine import TargetEngine
+from tests.e2e.cluster import free_port
 from tests.integration.workers_harness import Run, client_for, gateway_generate
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -28,12 +28,6 @@ CLI = (
     "sys.exit(main.main(sys.argv[1:]))"
 )
 START_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(service: str, addr: str, proc: subprocess.Popen, log_path) -> None:

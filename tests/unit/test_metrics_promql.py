@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ from splitflash.services.common.metric_math import (
     mean_commit_len,
     per_position_acceptance,
 )
+from tests.e2e.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
@@ -42,12 +42,6 @@ pytestmark = [
 
 # (K, max_depth, a, c, context_bucket) per request-step: two requests, short and long context
 STEPS = [(15, 15, 6, 7, "<=2k")] + [(15, 15, 0, 1, ">128k")] * 9 + [(3, 2, 2, 3, "<=2k")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_registry(registry: CollectorRegistry) -> ThreadingHTTPServer:
