@@ -1,11 +1,12 @@
-"""End-to-end verify step of the default model's shape on the GPU: eager vs CUDA graph, against
-the step's bytes floor (issue 5). CUDA only.
+"""End-to-end verify step of a model shape on the GPU: eager vs CUDA graph, against the
+step's bytes floor (issue 5). CUDA only.
 
-The model is SmolLM2-135M's shape (30 layers, D 576, 9 q / 3 kv heads of 64, vocab 49152)
-with random bf16 weights: a step's time depends on shapes, not on weight values, so the real
-GGUF need not travel. A request's KV is filled with random values up to the context length
-instead of a prefill (185k tokens are past the model's trained context anyway). One step =
-TargetEngine._verify_spans' forward: embed, 30 layers, all-row logits and features.
+The model is SmolLM2-135M's shape (30 layers, D 576, 9 q / 3 kv heads of 64, vocab 49152),
+or Llama-3-8B's with `--shape llama3-8b`, with random bf16 weights: a step's time depends
+on shapes, not on weight values, so the real GGUF need not travel. A request's KV is filled
+with random values up to the context length instead of a prefill (185k tokens are past the
+model's trained context anyway). One step =
+TargetEngine._verify_spans' forward: embed, every layer, all-row logits and features.
 
 Bytes floor = (weights read once + KV of the context read once) / copy bandwidth measured in
 the same run. Times are medians of CUDA-event timings after warm-up.
@@ -23,7 +24,22 @@ import time
 SMOLLM2 = dict(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
                rms_norm_eps=1e-5, max_position_embeddings=8192)  # fmt: skip
-FEATURE_LAYERS = (2, 8, 14, 21, 27)  # what the shipped DFlash drafter asks verify for
+# A production-scale shape (Llama-3-8B's: 32 layers, D 4096, 32 q / 8 kv heads of 128,
+# untied 128k vocab): at this size a step's floor is ~16 GB of weights plus the KV, and the
+# per-kernel latency that dominates the 135M model's short steps is small beside it.
+LLAMA3_8B = dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 max_position_embeddings=131072)  # fmt: skip
+SHAPES = {"smollm2-135m": SMOLLM2, "llama3-8b": LLAMA3_8B}
+
+
+def feature_layers(num_layers: int) -> tuple[int, ...]:
+    """The layers whose features verify returns for a DFlash drafter: the shipped drafter's
+    five for SmolLM2's 30 layers, five spread the same way for other depths."""
+    if num_layers == SMOLLM2["num_layers"]:
+        return (2, 8, 14, 21, 27)  # what the shipped DFlash drafter asks verify for
+    return tuple(round(1 + i * (num_layers - 3) / 4) for i in range(5))
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -56,7 +72,8 @@ def _host_ms(fn, reps: int) -> float:
     return sorted(times[3:])[reps // 2]
 
 
-def _engine(context: int, batch: int, page: int, invariant: bool = False):
+def _engine(context: int, batch: int, page: int, invariant: bool = False,
+            shape: str = "smollm2-135m"):  # fmt: skip
     import torch
 
     from splitflash.models.config import TargetConfig
@@ -65,12 +82,14 @@ def _engine(context: int, batch: int, page: int, invariant: bool = False):
     from splitflash.models.target import TargetModel
     from splitflash.services.verify.engine import TargetEngine
 
-    cfg = TargetConfig(**SMOLLM2)
+    cfg = TargetConfig(**SHAPES[shape])
     torch.manual_seed(0)
-    model = TargetModel(cfg)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, 0.0, 0.02)
-    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    with torch.device("cuda"):  # built and filled on the GPU: an 8B shape in seconds
+        model = TargetModel(cfg)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, 0.0, 0.02)
+    model = model.to(dtype=torch.bfloat16).eval()
+    torch.cuda.empty_cache()  # the fp32 weights are garbage now
     model.batch_invariant = invariant  # TargetModel: rows computed the same in any step
     pages = 2 * batch * (-(-(context + 2048) // page)) + 8  # bench requests + live ones
     cache = PagedKVCache(cfg.num_layers, pages, page, cfg.num_kv_heads, cfg.head_dim,
@@ -78,7 +97,8 @@ def _engine(context: int, batch: int, page: int, invariant: bool = False):
     cache.k.normal_()
     cache.v.normal_()
     graphs = VerifyGraphs(model, cache, (1, 2, 4, 8, 16, 32))
-    return TargetEngine(model, cache, FEATURE_LAYERS, max_context=1 << 30, graphs=graphs)
+    features = feature_layers(cfg.num_layers)
+    return TargetEngine(model, cache, features, max_context=1 << 30, graphs=graphs)
 
 
 def _engine_step_ms(engine, batch: int, q_len: int, reps: int) -> float:
@@ -148,11 +168,12 @@ def measure(
     page: int = 16,
     profile: bool = False,
     invariant: bool = False,
+    shape: str = "smollm2-135m",
 ):
     """One row: eager and graphed step times at `context` keys per request."""
     import torch
 
-    engine = _engine(context, batch, page, invariant)
+    engine = _engine(context, batch, page, invariant, shape)
     cfg, cache = engine.model.cfg, engine.cache
     spans = []
     for b in range(batch):
@@ -185,7 +206,7 @@ def measure(
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_bytes = batch * context * cfg.kv_bytes_per_token(2)
     floor_ms = (weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e3
-    row = dict(context=context, batch=batch, q_len=q_len, eager_ms=eager_ms,
+    row = dict(shape=shape, context=context, batch=batch, q_len=q_len, eager_ms=eager_ms,
                graph_ms=graph_ms, batch_ms=batch_ms,
                replay_ms=replay_ms, step_ms=step_ms, eager_step_ms=eager_step_ms,
                weight_mb=weight_bytes / 1e6, kv_mb=kv_bytes / 1e6,
@@ -207,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="per-kernel GPU time of a step")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant steps (TargetModel.batch_invariant)")  # fmt: skip
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="smollm2-135m",
+        help="model shape with random bf16 weights (default: the default model's)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.verify_step needs a CUDA GPU")
@@ -218,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batches:
             for q in args.q_lens:
                 r = measure(ctx, b, q, copy, args.reps, profile=args.profile,
-                            invariant=args.batch_invariant)  # fmt: skip
+                            invariant=args.batch_invariant, shape=args.shape)  # fmt: skip
                 r["batch_invariant"] = args.batch_invariant
                 torch.cuda.empty_cache()  # the last engine's KV pool is garbage now
                 rows.append(r)

@@ -103,10 +103,13 @@ SPEC = [
           (rate("splitflash_spec_fallback_steps_total", "reason"), "{{reason}}"),
           unit="suffix: steps/s", stack=True),
     panel("Speculation gate: one request's decode speed each way", "What the gateway "
-          "measures and compares: tokens committed per request / step seconds over recent "
-          "speculative and plain steps. Drafting pauses while plain is above speculative "
-          "(a drafter that no longer predicts the text).",
-          ("max by (mode) (splitflash_spec_gate_tokens_per_second)", "{{mode}}"),
+          "measures and compares, per context bucket of a step's longest request: tokens "
+          "committed per request / step seconds over recent speculative and plain steps "
+          "(0: not measured at that context yet). Drafting pauses where plain is above "
+          "speculative (a drafter that no longer predicts the text, often only past some "
+          "context).",
+          ("max by (mode, context_bucket) (splitflash_spec_gate_tokens_per_second)",
+           "{{mode}} {{context_bucket}}"),
           unit="suffix: tok/s"),
     panel("Invariant violations", "Broken §4 invariants per interval; must stay 0.",
           (f"sum by (invariant) (increase(splitflash_spec_invariant_violations_total{R}))",

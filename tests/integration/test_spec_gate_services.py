@@ -91,10 +91,12 @@ def serve_and_generate(drafter: ScriptedDrafter, jobs: list[Job], probe_every=PR
 
 
 def sample(text: str, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(name + " ")):
-            return float(line.split()[-1])
+    """The one sample of `name` whose labels are exactly `labels`."""
+    for head, value in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#"):
+        got_name, _, rest = head.partition("{")
+        got = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
+        if got_name == name and got == {k: f'"{v}"' for k, v in labels.items()}:
+            return float(value)
     raise AssertionError(f"{name} {labels} not exported")
 
 
@@ -119,9 +121,11 @@ def test_a_drafter_that_only_slows_decoding_is_paused_and_probed():
     # two-step tries, after PROBE_EVERY plain steps, then waits doubling per lost try
     assert drafted[16:].count(True) <= 2 * (len(drafted[16:]) // PROBE_EVERY + 1)
     assert drafted[16:].count(True) >= 4  # and it keeps trying
-    plain = sample(metrics, "splitflash_spec_gate_tokens_per_second", mode="plain")
-    spec = sample(metrics, "splitflash_spec_gate_tokens_per_second", mode="speculative")
+    gate = "splitflash_spec_gate_tokens_per_second"
+    plain = sample(metrics, gate, mode="plain", context_bucket="<=2k")
+    spec = sample(metrics, gate, mode="speculative", context_bucket="<=2k")
     assert plain > spec > 0
+    assert sample(metrics, gate, mode="plain", context_bucket=">128k") == 0  # not measured
 
 
 def test_a_drafter_that_is_right_keeps_drafting():

@@ -9,7 +9,13 @@ import random
 
 import pytest
 
-from splitflash.services.gateway.spec_gate import MARGIN, PLAIN, SPECULATIVE, SpecGate
+from splitflash.services.gateway.spec_gate import (
+    MARGIN,
+    PLAIN,
+    SPECULATIVE,
+    ContextGates,
+    SpecGate,
+)
 
 # One request at 185k on the H200 (session 18): DFlash propose ~1.0 ms + a q16 verify
 # ~2.2 ms, commit_len 1.00; a plain q1 step ~1.9 ms. At 8k: commit_len 2.76, propose ~0.9 +
@@ -72,6 +78,34 @@ def test_follows_a_drafter_that_fails_then_recovers(catch_up_s):
                             (rest, GOOD)], jitter=0.2, catch_up_s=catch_up_s)  # fmt: skip
     assert rates[2] >= 0.9 * best_rate(USELESS), rates
     assert rates[4] >= 0.9 * best_rate(GOOD), rates
+
+
+def mixed_workload(gate_for, steps: int = 4000, seed: int = 2) -> dict[int, float]:
+    """Steps at 1.4k (the drafter wins: GOOD) and at 185k (it fails: USELESS) interleaved
+    at random, as a gateway serving both sees them; tokens/s at each context."""
+    rng = random.Random(seed)
+    costs = {1400: GOOD, 185_000: USELESS}
+    tokens, seconds = dict.fromkeys(costs, 0.0), dict.fromkeys(costs, 0.0)
+    for _ in range(steps):
+        context = rng.choice(list(costs))
+        r, gate = costs[context], gate_for(context)
+        noise = 1 + rng.uniform(-0.2, 0.2)
+        spec = gate.speculate()
+        commit, took = (r["commit"], r["spec_s"] * noise) if spec else (1.0, r["plain_s"] * noise)
+        gate.record(spec, commit, took)
+        tokens[context] += commit
+        seconds[context] += took
+    return {c: tokens[c] / seconds[c] / best_rate(costs[c]) for c in costs}
+
+
+def test_a_gate_per_context_serves_a_mixed_workload_both_ways():
+    gates = ContextGates()
+    per_context = mixed_workload(lambda n: gates.for_context(n)[1])
+    assert sorted(gates.gates) == ["<=2k", ">128k"]
+    assert min(per_context.values()) >= 0.9, per_context  # of the better way, each context
+    one = SpecGate()  # the same steps through one gate: one decision for both contexts
+    shared = mixed_workload(lambda n: one)
+    assert min(shared.values()) < 0.85, shared  # so the test can tell them apart
 
 
 def test_a_drafter_that_starts_badly_is_not_left_paused():

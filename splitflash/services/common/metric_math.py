@@ -142,8 +142,9 @@ METRICS = MappingProxyType(
         "running_requests": _d("gauge", "Requests in the running batch."),
         "spec_gate_tokens_per_second": _d(
             "gauge", "The speculation gate's measure of one request's decode speed each way "
-            "(tokens committed per request / step seconds, median of recent steps); drafting "
-            "pauses while plain is faster.", ("mode", GATE_MODES),
+            "(mean tokens committed per request / median step seconds, recent steps), per "
+            "context bucket of a step's longest request (0: not measured); drafting pauses "
+            "where plain is faster.", ("mode", GATE_MODES), _BUCKET,
         ),
         "waiting_requests": _d("gauge", "Requests queued, not yet admitted."),
         "generated_tokens": _d(

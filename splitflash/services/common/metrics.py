@@ -127,7 +127,7 @@ class GatewayMetrics:
     inter_token_seconds: Histogram
     running_requests: Gauge
     waiting_requests: Gauge
-    spec_gate_tokens_per_second: Gauge  # {mode}
+    spec_gate_tokens_per_second: Gauge  # {mode, context_bucket}
     generated_tokens: Counter
     step_seconds: Histogram
     step_phase_seconds: Histogram

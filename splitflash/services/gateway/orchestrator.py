@@ -37,7 +37,7 @@ from splitflash.services.gateway.links import WorkerLink
 from splitflash.services.gateway.placement import group_by, place
 from splitflash.services.gateway.recovery import Recovery, recovery_for
 from splitflash.services.gateway.results import commit, fail, finish
-from splitflash.services.gateway.spec_gate import SpecGate
+from splitflash.services.gateway.spec_gate import ContextGates, SpecGate
 from splitflash.services.gateway.step_record import StepTimer, record_result
 
 log = logging.getLogger("splitflash.gateway.orchestrator")
@@ -62,7 +62,7 @@ class Orchestrator:
         self.releases: dict[WorkerLink, set[str]] = {}  # to release once the worker answers
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.gate = SpecGate(settings.spec_probe_every) if settings.spec_gate else None
+        self.gates = ContextGates(settings.spec_probe_every) if settings.spec_gate else None
 
     # --- intake ----------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -182,7 +182,10 @@ class Orchestrator:
                 jobs.append(job)
         if not jobs:
             return
-        speculate = self.gate is None or self.gate.speculate()
+        # the longest request's context picks the gate, as it does the step's time bucket
+        longest = max(j.base_len for j in jobs)
+        bucket, gate = self.gates.for_context(longest) if self.gates else ("", None)
+        speculate = gate is None or gate.speculate()
         drafts, fallback = await self.drafting.propose(
             jobs, self.running, timer, paused=not speculate
         )
@@ -207,18 +210,21 @@ class Orchestrator:
                 record_result(job, result, n_drafted, reason, timer, self.metrics)
                 commit(job, result.committed_ids, result.finished_reason, self.metrics)
                 committed.append(result.commit_len)
-        self._gate_record(bool(drafts), committed, time.perf_counter() - timer.start)
-        timer.finish(self.metrics, max(j.base_len for j in jobs))
+        if gate is not None:
+            self._gate_record(gate, bucket, bool(drafts), committed, timer.start)
+        timer.finish(self.metrics, longest)
 
-    def _gate_record(self, drafted: bool, committed: list[int], seconds: float) -> None:
-        if self.gate is None or not committed:
+    def _gate_record(
+        self, gate: SpecGate, bucket: str, drafted: bool, committed: list[int], start: float
+    ) -> None:
+        if not committed:
             return
-        self.gate.record(drafted, sum(committed) / len(committed), seconds)
+        gate.record(drafted, sum(committed) / len(committed), time.perf_counter() - start)
         gauge = self.metrics.spec_gate_tokens_per_second
         for mode in GATE_MODES:
-            rate = self.gate.rate(mode)
+            rate = gate.rate(mode)
             if rate is not None:
-                gauge.labels(mode=mode).set(rate)
+                gauge.labels(mode=mode, context_bucket=bucket).set(rate)
 
     async def _verify_on(
         self, link: WorkerLink, jobs: list[Job], drafts: dict[str, list[int]]
