@@ -24,6 +24,7 @@ BENCHES = {
     "transport": "bench.transport",
     "feature_send": "bench.feature_send",
     "long_context": "bench.long_context",
+    "longctx": "bench.long_context",  # DESIGN.md §7's name for it
     "context_append": "bench.context_append",
 }
 
