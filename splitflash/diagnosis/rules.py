@@ -2,10 +2,10 @@
 
 A row is what `splitflash doctor` measured at one context length (per decode step means over
 one or more greedy requests; DESIGN.md §4 terms):
-  context (prompt tokens), steps, tok_s (decode tokens/s), step_ms (wall ms per step, the
-  fastest of the repeated requests),
+  context (prompt tokens), steps, tok_s (decode tokens/s), step_ms (wall ms per step),
   mean_commit_len (c), drafted (K per step), accepted_drafts (a per step),
-  accepted_depth (d per step), draft_ms, verify_ms, transport_ms,
+  accepted_depth (d per step), draft_ms, verify_ms, transport_ms (the times: the fastest
+  of the repeated requests' means),
   optional: bytes_per_step (verify bytes read per step), keys_per_draft
   ({layer_kind: context keys read per draft}), no_draft_fraction (steps with K == 0),
   paused_fraction (steps the gateway's speculation gate ran without drafts),
