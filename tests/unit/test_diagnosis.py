@@ -207,8 +207,8 @@ def test_summarise_pools_steps_over_requests():
     r = summarise(reqs)
     assert (r["context"], r["steps"], r["requests"]) == (101, 4, 2)
     assert r["mean_commit_len"] == pytest.approx(10 / 4)  # pooled, not mean of 4.0 and 1.0
-    # step time: the faster request's (100 ms, not the pooled 150): a stall is not judged
     assert r["drafted"] == pytest.approx(3.0) and r["accepted_drafts"] == pytest.approx(1.5)
+    # step time: the faster request's (100 ms, not the pooled 150): a stall is not judged
     assert r["tok_s"] == pytest.approx((12 - 2) / 0.6) and r["step_ms"] == pytest.approx(100.0)
     # draft time likewise: the faster request's mean (1.0, not the pooled 1.5)
     assert r["draft_ms"] == pytest.approx(1.0) and r["no_draft_fraction"] == pytest.approx(0.25)
