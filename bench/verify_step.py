@@ -203,7 +203,11 @@ def measure(
             if entry.graph:  # CUPTI may or may not see the kernels inside a replay
                 print("  graph replay:")
                 prof["replay"] = kernel_profile(entry.graph.replay, top=4)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    # Weights a step reads: all but an untied embedding table, of which it reads q_len rows
+    # (a tied one is read whole as the LM head).
+    unread = () if cfg.tie_word_embeddings else (engine.model.embed_tokens.weight,)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()
+                       if all(p is not u for u in unread))  # fmt: skip
     kv_bytes = batch * context * cfg.kv_bytes_per_token(2)
     floor_ms = (weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e3
     row = dict(shape=shape, context=context, batch=batch, q_len=q_len, eager_ms=eager_ms,
