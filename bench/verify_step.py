@@ -5,8 +5,8 @@ The model is SmolLM2-135M's shape (30 layers, D 576, 9 q / 3 kv heads of 64, voc
 or Llama-3-8B's with `--shape llama3-8b`, with random bf16 weights: a step's time depends
 on shapes, not on weight values, so the real GGUF need not travel. A request's KV is filled
 with random values up to the context length instead of a prefill (185k tokens are past the
-model's trained context anyway). One step =
-TargetEngine._verify_spans' forward: embed, every layer, all-row logits and features.
+model's trained context anyway). One step = TargetEngine._verify_spans' forward: embed,
+every layer, all-row logits and features.
 
 Bytes floor = (weights read once + KV of the context read once) / copy bandwidth measured in
 the same run. Times are medians of CUDA-event timings after warm-up.
@@ -25,7 +25,7 @@ SMOLLM2 = dict(family="llama", vocab_size=49152, hidden_size=576, intermediate_s
                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
                rms_norm_eps=1e-5, max_position_embeddings=8192)  # fmt: skip
 # A production-scale shape (Llama-3-8B's: 32 layers, D 4096, 32 q / 8 kv heads of 128,
-# untied 128k vocab): at this size a step's floor is ~16 GB of weights plus the KV, and the
+# untied 128k vocab): at this size a step's floor is ~15 GB of weights plus the KV, and the
 # per-kernel latency that dominates the 135M model's short steps is small beside it.
 LLAMA3_8B = dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -203,11 +203,15 @@ def measure(
             if entry.graph:  # CUPTI may or may not see the kernels inside a replay
                 print("  graph replay:")
                 prof["replay"] = kernel_profile(entry.graph.replay, top=4)
+
     # Weights a step reads: all but an untied embedding table, of which it reads q_len rows
     # (a tied one is read whole as the LM head).
-    unread = () if cfg.tie_word_embeddings else (engine.model.embed_tokens.weight,)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()
-                       if all(p is not u for u in unread))  # fmt: skip
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    weight_bytes = sum(nbytes(p) for p in engine.model.parameters())
+    if not cfg.tie_word_embeddings:
+        weight_bytes -= nbytes(engine.model.embed_tokens.weight)
     kv_bytes = batch * context * cfg.kv_bytes_per_token(2)
     floor_ms = (weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e3
     row = dict(shape=shape, context=context, batch=batch, q_len=q_len, eager_ms=eager_ms,

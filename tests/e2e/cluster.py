@@ -26,9 +26,8 @@ _PORT_RANGE = (20000, 32000)
 
 def free_port() -> int:
     """A loopback port that binds now, outside the ephemeral range, not handed out before."""
-    rng = random.Random()
     for _ in range(1000):
-        port = rng.randrange(*_PORT_RANGE)
+        port = random.randrange(*_PORT_RANGE)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:
