@@ -1,11 +1,13 @@
 #!/bin/bash
-# Session 21's plan for the next GPU session (none was run: no device time was left).
-#   carry [".model/a"]: bash bench/gpu_s21.sh a;  carry [".model/b"]: bash bench/gpu_s21.sh b
-#   carry [".whl", ".model/c"]: bash bench/gpu_s21.sh c
+# Session 21's plan (no device time was left then), run in session 22.
+#   carry [".model/a"]: bash bench/gpu_s22.sh a;  carry [".model/b"]: bash bench/gpu_s22.sh b
+#   carry [".whl", ".model/c"]: bash bench/gpu_s22.sh c
 #     the speculation gate (per context bucket, v3) against target-only and DFlash, as in
 #     gpu_s20b.sh: bench.long_context --gate at 1.4k / 8k / 32k / 185k
-#   carry [".whl"]: bash bench/gpu_s21.sh scale
+#   carry [".whl"]: bash bench/gpu_s22.sh scale
 #     the verify step of Llama-3-8B's shape (random weights) against its bytes floor
+#   carry [".whl"]: bash bench/gpu_s22.sh profile
+#     a CUPTI profile of both shapes' 185k q16 step (where the time goes)
 if [ "$1" = a ] || [ "$1" = b ] || [ "$1" = c ]; then
   mkdir -p "$HOME/m" && cp ".model/$1"/* "$HOME/m/" || exit 1
   [ "$1" != c ] && exit 0
@@ -21,6 +23,11 @@ if [ "$1" = c ]; then
   echo "rc $?"
   grep -E "^ctx|differs|LOSSY|Error|error" "$OUT/long_context_gate_v3.log" | tail -30
 elif [ "$1" = scale ]; then
-  timeout 500 python3 -m bench.verify_step --shape llama3-8b --contexts 512 32768 185000 \
+  timeout 540 python3 -m bench.verify_step --shape llama3-8b --contexts 512 32768 185000 \
     --q-lens 16 1 --reps 30 --json-out "$OUT/verify_step_llama3_8b_h200.json" 2>&1 | tail -20
+elif [ "$1" = profile ]; then
+  for shape in llama3-8b smollm2-135m; do
+    timeout 270 python3 -m bench.verify_step --shape $shape --contexts 185000 --q-lens 16 \
+      --reps 30 --profile --json-out "$OUT/verify_step_profile_${shape}_h200.json" 2>&1 | tail -24
+  done
 fi
