@@ -263,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['graph_over_floor']:.2f}x floor; engine.verify {r['step_ms']:.3f} ms "
                       f"(eager {r['eager_step_ms']:.3f}, _batch {r['batch_ms']:.3f})",
                       flush=True)  # fmt: skip
+                if args.json_out:  # after every row: a run cut off by a time limit keeps its rows
+                    with open(args.json_out, "w") as f:
+                        json.dump({"copy_gbps": copy, "rows": rows}, f, indent=2)
     print(
         " context  B   q   eager ms   graph ms  replay ms   floor ms  graph/floor"
         "  verify() ms  eager verify() ms  _batch ms"
@@ -272,9 +275,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['graph_ms']:>10.3f} {r['replay_ms']:>10.3f} {r['floor_ms']:>10.3f} "
               f"{r['graph_over_floor']:>11.2f} {r['step_ms']:>12.3f} "
               f"{r['eager_step_ms']:>18.3f} {r['batch_ms']:>10.3f}")  # fmt: skip
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"copy_gbps": copy, "rows": rows}, f, indent=2)
     return 0
 
 
