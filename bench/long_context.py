@@ -186,7 +186,10 @@ def run(args) -> list[dict]:
                        step_ms_median=step_ms[len(step_ms) // 2], step_ms_max=step_ms[-1],
                        timed_captures=captures, verify_ms_median=verify_ms[mode].median(),
                        propose_ms_median=sum(t.median() for t in propose_ms.values()),
-                       violations=gen.violations)  # fmt: skip
+                       violations=gen.violations,
+                       # per step: [drafted, tokens committed, step ms, propose ms]
+                       steps=[[int(p > 0), c, round(s * 1e3, 3), round(p * 1e3, 3)] for (s, c), p
+                              in zip(gen.steps, gen.propose_seconds, strict=True)])  # fmt: skip
             if ref is None:
                 ref = gen.token_ids
                 # What the target writes here (past its 8k trained positions it may degrade).

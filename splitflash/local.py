@@ -28,6 +28,7 @@ class Generation:
     finish_reason: str = "length"
     prefill_seconds: float = 0.0  # prompt forward + the drafter's prompt features
     steps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens committed)
+    propose_seconds: list[float] = field(default_factory=list)  # per step (0.0: no draft)
     paused_steps: int = 0  # steps the speculation gate ran without drafting
 
     @property
@@ -70,6 +71,7 @@ def generate_local(
     stats = SpecStats()
     violations: list[str] = []
     steps: list[tuple[float, int]] = []
+    propose_s: list[float] = []  # the drafts come back as ints: the time includes the GPU's
     paused = 0
     report = engine.prefill(rid, prompt_ids, sampling, stop_ids, max_tokens)
     out = list(report.outcome.committed)
@@ -93,6 +95,7 @@ def generate_local(
             drafting = drafter is not None and (gate is None or gate.speculate())
             paused += drafter is not None and not drafting
             drafts = drafter.propose(rid, block_size - 1) if drafting else []
+            propose_s.append(time.perf_counter() - t_step if drafting else 0.0)
             (report,) = engine.verify([VerifyInput(rid, base_len, drafts, max_tokens - len(out))])
             if report.error:
                 raise RuntimeError(report.error)
@@ -115,4 +118,4 @@ def generate_local(
             drafter.release(rid)
     reason = "stop" if out and out[-1] in set(stop_ids) else "length"
     seconds = time.perf_counter() - t0
-    return Generation(out, stats, seconds, violations, reason, prefill_s, steps, paused)
+    return Generation(out, stats, seconds, violations, reason, prefill_s, steps, propose_s, paused)

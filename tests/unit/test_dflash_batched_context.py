@@ -99,3 +99,30 @@ def test_proposer_holds_features_until_it_proposes(monkeypatch) -> None:
     ).argmax(-1).tolist()  # fmt: skip
     prop.release("c")
     assert prop.propose_batch(["a", "b"], 4) == got[:2] and calls == [4, 6, 6]
+
+
+def test_rows_of_paused_steps_are_written_as_one_item() -> None:
+    """Steps without a proposal (the speculation gate paused drafting) each leave a feature
+    row or two pending; the next proposal writes each request's rows as one item (one cache
+    write per layer, not one per step), and drafts as if they had been written step by step."""
+    drafter = make()
+    prop = DFlashProposer(drafter)
+    ids = list(range(1, 40))
+    rows = feats(len(ids) - 1, seed=3)
+    oracle = drafter.new_state()
+    prop.open("r", ids[:3])
+    prop.add_features("r", 0, rows[:2])
+    prop.propose("r", 4)  # the prompt's rows written
+    cuts = [2, 3, 5, 6, 7, 9, 10, 13, 14, 15, 20, 21, 22, 30, 31, 38]  # uneven "steps"
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        prop.extend("r", ids[lo + 1 : hi + 1], hi + 1)
+        prop.add_features("r", lo, rows[lo:hi])
+    calls = []
+    real = drafter.append_contexts
+    drafter.append_contexts = lambda items: calls.append(
+        [(f.shape[0], start) for _, f, start in items]) or real(items)  # fmt: skip
+    got = prop.propose("r", 4)
+    assert calls == [[(36, 2)]]
+    drafter.append_context(oracle, rows, 0)
+    assert got == drafter.draft(oracle, ids[-1], len(ids) - 1, 5).argmax(-1).tolist()
+    _same_caches(prop.requests["r"].cache, oracle)

@@ -48,6 +48,21 @@ def default_drafter_path(target: str = "smollm2-135m") -> Path:
     return path
 
 
+def _merged(pending: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """One request's pending (start_pos, rows [n, K*D]) joined into runs of <= FLUSH_ROWS
+    rows. add_features keeps them contiguous, so the cache writes (a few kernels per item and
+    layer) run once per run, not once per step: each step the speculation gate pauses leaves
+    a row, and a proposal after a long pause would otherwise write hundreds of items."""
+    runs: list[list] = []  # [start_pos, [rows], n rows]
+    for start, f in pending:
+        if runs and runs[-1][2] + f.shape[0] <= FLUSH_ROWS:
+            runs[-1][1].append(f)
+            runs[-1][2] += f.shape[0]
+        else:
+            runs.append([start, [f], f.shape[0]])
+    return [(start, torch.cat([f.to(fs[0].device) for f in fs])) for start, fs, _ in runs]
+
+
 @dataclass
 class DFlashDraftState:
     tokens: list[int]  # committed tokens: prompt + generated
@@ -140,7 +155,7 @@ class DFlashProposer:
             if rid in keep:
                 continue
             pending, st.pending = st.pending, []
-            for start, f in pending:
+            for start, f in _merged(pending):
                 if part and rows + f.shape[0] > FLUSH_ROWS:
                     self.drafter.append_contexts(part)
                     part, rows = [], 0

@@ -18,14 +18,19 @@ pause. A step counts only when the step before it ran in the same mode: the firs
 after a switch pays for the switch (a drafter ingesting the context it skipped: DFlash's
 proposes took 6-9 ms instead of 1 ms there on the H200), not for the mode.
 
-The gate speculates first, judges after `min_steps` speculative steps (then runs plain
-steps until it has both rates), pauses drafting only while plain decodes more than
-(1 + MARGIN) x as fast (a marginal drafter keeps drafting), and after `probe_every` steps
-tries the other mode for two steps (the second is the measured one). While tried steps beat
-the favoured mode's rate, the try goes on (up to WINDOW steps), so a drafter that recovers
-refills its window at once. A try that loses costs two steps and the switch, so the wait
-before the next one doubles, up to MAX_BACKOFF x `probe_every` steps; it is back to
-`probe_every` once a try wins or the favoured mode changes.
+The gate speculates first and judges after `min_steps` speculative steps; to judge it must
+measure plain steps, so it tries them. A try of a mode is one switch step (not counted) and
+TRY_STEPS counted steps, and it starts from an empty window for that mode: what the mode did
+before the try is stale, or the gate would not be trying it. The try is judged on its steps
+pooled, never on one step: one speculative step commits 1 token or 8, and judging tries by
+a single step (the gate's v3) lost most tries of a drafter that wins on average, so on the
+H100 it paused DFlash at 1.4k, where it decodes 1.13x as fast as plain steps (session 23).
+Drafting pauses only while plain decodes more than (1 + MARGIN) x as fast (a marginal
+drafter keeps drafting). Between tries the favoured mode's window goes on, and if its rate
+falls below the other's the gate switches at once (a drafter that starts failing). After
+`probe_every` steps in the favoured mode the gate tries the other one; a try that loses
+doubles the wait before the next, up to MAX_BACKOFF x `probe_every` steps; a try that wins
+makes its mode the favoured one, and the wait is back to `probe_every`.
 
 Output does not change: greedy speculative and plain steps commit the same tokens, sampled
 ones the same distribution. A paused step's requests are counted as fallback steps with
@@ -46,6 +51,7 @@ from splitflash.services.common.metric_math import GATE_MODES, context_bucket
 
 SPECULATIVE, PLAIN = GATE_MODES
 WINDOW = 32  # recent counted steps per mode behind its pooled rate
+TRY_STEPS = 4  # counted steps of a try of the other mode, after its switch step
 MARGIN = 0.2  # drafting pauses only while plain decodes > (1 + MARGIN) x as fast
 MAX_BACKOFF = 8  # the wait between losing tries grows up to this many x probe_every
 
@@ -56,13 +62,11 @@ class _Mode:
 
     window: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     steps: int = 0  # steps run in this mode, uncounted ones included
-    last_rate: float = 0.0  # the latest counted step's own tokens / seconds
 
     def add(self, tokens: float, seconds: float, counted: bool) -> None:
         self.steps += 1
         if counted:
             self.window.append((tokens, seconds))
-            self.last_rate = tokens / seconds
 
     def rate(self) -> float | None:
         if not self.window:
@@ -76,10 +80,11 @@ class SpecGate:
     probe_every: int = 32  # steps in the favoured mode between two tries of the other one
     min_steps: int = 16  # speculative steps measured before the first judgement
     modes: dict[str, _Mode] = field(default_factory=lambda: {m: _Mode() for m in GATE_MODES})
-    since_probe: int = 0  # steps run in the favoured mode since the other one was tried
+    since_probe: int = 0  # steps run in the favoured mode since the last try
     wait: int = 0  # favoured steps before the next try (probe_every, doubled per lost try)
-    favoured: str | None = None  # the mode the last judgement favoured
-    trying: int = 0  # steps of the current try of the other mode so far (0: none)
+    favoured: str | None = None  # the mode the last judgement favoured (None: not judged)
+    tried: str = PLAIN  # the mode of the current or last try
+    trying: int = 0  # steps of the current try so far (0: none)
     last_mode: str | None = None  # the mode of the last recorded step
 
     def __post_init__(self) -> None:
@@ -96,31 +101,40 @@ class SpecGate:
         """One request's decode speed in this mode, tokens/s (None: not measured yet)."""
         return self.modes[mode].rate()
 
+    def _judge(self) -> str:
+        """The mode the rates favour: plain only while > (1 + MARGIN) x as fast."""
+        fast, plain = self.rate(SPECULATIVE), self.rate(PLAIN)
+        if plain is None or (fast is not None and plain <= (1 + MARGIN) * fast):
+            return SPECULATIVE
+        return PLAIN
+
+    def _try(self, mode: str) -> bool:
+        self.tried, self.trying = mode, 1
+        self.modes[mode].window.clear()
+        return mode == SPECULATIVE
+
     def speculate(self) -> bool:
         """Draft in the next step?"""
         if self.speculative_steps < self.min_steps:
             return True
-        fast, plain = self.rate(SPECULATIVE), self.rate(PLAIN)
-        if plain is None:  # both rates are needed to judge: plain steps until it has one
-            return False
-        favoured = SPECULATIVE if fast is not None and plain <= (1 + MARGIN) * fast else PLAIN
-        other = PLAIN if favoured == SPECULATIVE else SPECULATIVE
-        if favoured != self.favoured:
-            self.favoured, self.wait = favoured, self.probe_every
         if self.trying:
-            winning = self.modes[other].last_rate > self.modes[favoured].rate()
-            if self.trying < 2 or (winning and self.trying < WINDOW):
-                self.trying += 1  # the switch step, or a try that still wins
-                return other == SPECULATIVE
-            lost = self.trying == 2
+            if self.trying < 1 + TRY_STEPS:
+                self.trying += 1
+                return self.tried == SPECULATIVE
             self.trying = 0
+            verdict = self._judge()
+            won = verdict == self.tried or self.favoured is None  # the first judgement
             cap = MAX_BACKOFF * self.probe_every
-            self.wait = min(2 * self.wait, cap) if lost else self.probe_every
+            self.wait = self.probe_every if won else min(2 * self.wait, cap)
+            self.favoured, self.since_probe = verdict, 0
+        elif self.favoured is None:  # the first judgement needs plain steps: try them
+            return self._try(PLAIN)
+        elif (verdict := self._judge()) != self.favoured:  # the favoured mode fell behind
+            self.favoured, self.wait, self.since_probe = verdict, self.probe_every, 0
         if self.since_probe >= self.wait:
-            self.since_probe, self.trying = 0, 1
-            return other == SPECULATIVE
+            return self._try(PLAIN if self.favoured == SPECULATIVE else SPECULATIVE)
         self.since_probe += 1
-        return favoured == SPECULATIVE
+        return self.favoured == SPECULATIVE
 
     def record(self, drafted: bool, tokens_per_request: float, seconds: float) -> None:
         """A finished step: did any request draft, tokens committed per request (mean over

@@ -1,9 +1,9 @@
 #!/bin/bash
-# Session 21's plan (no device time was left then), run in session 22.
+# Session 22's plan, run in session 23 on an H100 (a, b, c, scale), then c again (gate v4).
 #   carry [".model/a"]: bash bench/gpu_s22.sh a;  carry [".model/b"]: bash bench/gpu_s22.sh b
 #   carry [".whl", ".model/c"]: bash bench/gpu_s22.sh c
-#     the speculation gate (per context bucket, v3) against target-only and DFlash, as in
-#     gpu_s20b.sh: bench.long_context --gate at 1.4k / 8k / 32k (185k left out: device time)
+#     the speculation gate (per context bucket, v4) against target-only and DFlash, as in
+#     gpu_s20b.sh: bench.long_context --gate at 1.4k / 8k / 32k / 185k
 #   carry [".whl"]: bash bench/gpu_s22.sh scale
 #     the verify step of Llama-3-8B's shape (random weights) against its bytes floor
 #   carry [".whl"]: bash bench/gpu_s22.sh profile
@@ -17,17 +17,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site
 if [ "$1" = c ]; then
   cat "$HOME"/m/part-* > "$HOME/m/model.gguf" && sha256sum "$HOME/m/model.gguf"
-  timeout 360 python3 -m bench.long_context --device cuda --target "$HOME/m/model.gguf" \
-    --contexts 1400 8192 32768 --windows checkpoint --gate --max-tokens 128 \
-    --json-out "$OUT/long_context_gate_v3_h200.json" > "$OUT/long_context_gate_v3.log" 2>&1
+  timeout 480 python3 -m bench.long_context --device cuda --target "$HOME/m/model.gguf" \
+    --contexts 1400 8192 32768 185000 --windows checkpoint --gate --max-tokens 128 \
+    --json-out "$OUT/long_context_gate_v4.json" > "$OUT/long_context_gate_v4.log" 2>&1
   echo "rc $?"
-  grep -E "^ctx|differs|LOSSY|Error|error" "$OUT/long_context_gate_v3.log" | tail -30
+  grep -E "^ctx|differs|LOSSY|Error|error" "$OUT/long_context_gate_v4.log" | tail -30
 elif [ "$1" = scale ]; then
   timeout 420 python3 -m bench.verify_step --shape llama3-8b --contexts 512 185000 \
-    --q-lens 16 1 --reps 30 --json-out "$OUT/verify_step_llama3_8b_h200.json" 2>&1 | tail -20
+    --q-lens 16 1 --reps 30 --json-out "$OUT/verify_step_llama3_8b.json" 2>&1 | tail -20
 elif [ "$1" = profile ]; then
   for shape in llama3-8b smollm2-135m; do
     timeout 270 python3 -m bench.verify_step --shape $shape --contexts 185000 --q-lens 16 \
-      --reps 30 --profile --json-out "$OUT/verify_step_profile_${shape}_h200.json" 2>&1 | tail -24
+      --reps 30 --profile --json-out "$OUT/verify_step_profile_${shape}.json" 2>&1 | tail -24
   done
 fi
