@@ -1,12 +1,12 @@
 #!/bin/bash
 # Session 22's plan, run in session 23 on an H100 (a, b, c, scale), then c again (gate v4).
-#   carry [".model/a"]: bash bench/gpu_s22.sh a;  carry [".model/b"]: bash bench/gpu_s22.sh b
-#   carry [".whl", ".model/c"]: bash bench/gpu_s22.sh c
+#   carry [".model/a"]: bash bench/gpu_s23.sh a;  carry [".model/b"]: bash bench/gpu_s23.sh b
+#   carry [".whl", ".model/c"]: bash bench/gpu_s23.sh c
 #     the speculation gate (per context bucket, v4) against target-only and DFlash, as in
 #     gpu_s20b.sh: bench.long_context --gate at 1.4k / 8k / 32k / 185k
-#   carry [".whl"]: bash bench/gpu_s22.sh scale
+#   carry [".whl"]: bash bench/gpu_s23.sh scale
 #     the verify step of Llama-3-8B's shape (random weights) against its bytes floor
-#   carry [".whl"]: bash bench/gpu_s22.sh profile
+#   carry [".whl"]: bash bench/gpu_s23.sh profile
 #     a CUPTI profile of both shapes' 185k q16 step (where the time goes)
 if [ "$1" = a ] || [ "$1" = b ] || [ "$1" = c ]; then
   mkdir -p "$HOME/m" && cp ".model/$1"/* "$HOME/m/" || exit 1
