@@ -36,6 +36,7 @@ from bench.long_context import main; sys.exit(main(sys.argv[1:]))" --device cuda
       --target "$HOME/m/model.gguf" --contexts 1400 8192 --windows checkpoint --gate \
       --max-tokens 128 --json-out "$OUT/gate_w$1_p$2.json" 2>&1 | grep -E "^ctx|Error"
   done
+  timeout 60 python3 -m bench.flush_probe --target "$HOME/m/model.gguf" 2>&1 | tail -8
 elif [ "$1" = scale ]; then
   timeout 420 python3 -m bench.verify_step --shape llama3-8b --contexts 512 185000 \
     --q-lens 16 1 --reps 30 --json-out "$OUT/verify_step_llama3_8b.json" 2>&1 | tail -20
