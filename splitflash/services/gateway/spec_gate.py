@@ -50,7 +50,7 @@ from statistics import median
 from splitflash.services.common.metric_math import GATE_MODES, context_bucket
 
 SPECULATIVE, PLAIN = GATE_MODES
-WINDOW = 32  # recent counted steps per mode behind its pooled rate
+WINDOW = 16  # recent counted steps per mode behind its pooled rate
 TRY_STEPS = 4  # counted steps of a try of the other mode, after its switch step
 MARGIN = 0.2  # drafting pauses only while plain decodes > (1 + MARGIN) x as fast
 MAX_BACKOFF = 8  # the wait between losing tries grows up to this many x probe_every
