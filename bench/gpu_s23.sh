@@ -12,7 +12,8 @@
 #     gate v4's window and probe interval varied at 1.4k / 8k, where the drafter's acceptance
 #     changes within a generation (monkeypatched module constants: nothing else changes)
 if [ "$1" = a ] || [ "$1" = b ] || [ "$1" = c ] || [ "$1" = d ]; then
-  mkdir -p "$HOME/m" && cp ".model/$1"/* "$HOME/m/" || exit 1
+  part=$1; [ "$1" = d ] && part=c  # d brings the last third, as c does
+  mkdir -p "$HOME/m" && cp ".model/$part"/* "$HOME/m/" || exit 1
   [ "$1" = a ] || [ "$1" = b ] && exit 0
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
