@@ -26,6 +26,7 @@ BENCHES = {
     "long_context": "bench.long_context",
     "longctx": "bench.long_context",  # DESIGN.md §7's name for it
     "context_append": "bench.context_append",
+    "flush_probe": "bench.flush_probe",
 }
 
 
