@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                 prop.extend("r", [7], len(ids))
                 prop.add_features("r", held - 1, rows(1))
             held = len(ids)
-            torch.cuda.synchronize() if args.device.startswith("cuda") else None
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             prop.propose("r", 7)
             times.append((time.perf_counter() - t0) * 1e3)

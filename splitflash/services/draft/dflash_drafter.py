@@ -21,6 +21,7 @@ from torch import nn
 from splitflash.models.dflash import DFlashDesyncError, DFlashDrafter, DFlashState, load_dflash
 from splitflash.models.dflash.config import SLIDING
 from splitflash.models.dflash.graphs import DraftGraphs
+from splitflash.models.dflash.model import joined_rows
 from splitflash.models.dflash.pool import DraftKVPool
 
 logger = logging.getLogger("splitflash.draft")
@@ -60,7 +61,9 @@ def _merged(pending: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Te
             runs[-1][2] += f.shape[0]
         else:
             runs.append([start, [f], f.shape[0]])
-    return [(start, torch.cat([f.to(fs[0].device) for f in fs])) for start, fs, _ in runs]
+    # a run of one item (the usual step between proposals) is passed on as it is: no copy
+    return [(start, fs[0] if len(fs) == 1 else joined_rows(fs, fs[0].device))
+            for start, fs, _ in runs]  # fmt: skip
 
 
 @dataclass
