@@ -27,6 +27,8 @@ BENCHES = {
     "longctx": "bench.long_context",  # DESIGN.md §7's name for it
     "context_append": "bench.context_append",
     "flush_probe": "bench.flush_probe",
+    "draft_attn_sweep": "bench.draft_attn_sweep",
+    "first_step": "bench.first_step",
 }
 
 

@@ -33,6 +33,7 @@ from splitflash.kernels.tuning import (
     autotuned,
     config_set_for,
     device_facts,
+    draft_pick,
     interpreter_active,
     kv_bucket,
     next_pow2,
@@ -173,11 +174,13 @@ def draft_attention_triton(
     max_ctx_len: int | None = None,
     num_splits: int | None = None,
     keys_read: torch.Tensor | None = None,  # [R] int32, incremented by context keys loaded
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:  # [R, B_blk, H, D]
     """Same contract as draft_attention_ref. max_ctx_len (>= every n_ctx) sizes the split
     plan; for a full layer given a device n_ctx it avoids a device->host sync (a sliding
     layer is bounded by W - 1 without one). Host n_ctx (a sequence) is checked per request
-    against W_cap; a device n_ctx only through max_ctx_len."""
+    against W_cap; a device n_ctx only through max_ctx_len. config = (BLOCK_N, num_warps,
+    num_stages) instead of the measured pick / autotuning (sweeps)."""
     group = check_draft_inputs(q, blk_k, blk_v, ctx_k, ctx_v, window)
     n_req, blk, n_heads, head_dim = q.shape
     w_cap, n_kv_heads = ctx_k.shape[1], ctx_k.shape[2]
@@ -234,10 +237,15 @@ def draft_attention_triton(
         DIRECT_OUT=direct, UPCAST=upcast, DOT_IEEE=upcast, COUNT_READS=keys_read is not None,
     )  # fmt: skip
     grid = (plan.num_splits, n_req * m_tiles, n_kv_heads)
-    if interp or keys_read is not None:
+    if config is None and interp:
+        config = INTERPRETER_CONFIG
+    if config is None:
+        config = draft_pick(cap)
+    if config is None and keys_read is not None:
         # The autotuner re-runs the kernel while timing configs, which would add to the
         # keys_read counter many times over: counting calls take one fixed config.
-        config = INTERPRETER_CONFIG if interp else CONFIG_SETS[config_set_for(cap)][0]
+        config = CONFIG_SETS[config_set_for(cap)][0]
+    if config is not None:
         block_n, warps, stages = config
         _draft_attn_kernel[grid](*args, **meta, BLOCK_N=block_n, num_warps=warps,
                                  num_stages=stages)  # fmt: skip

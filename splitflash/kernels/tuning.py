@@ -165,40 +165,75 @@ class SplitPlan:
     split_len: int  # keys per split, a multiple of SPLIT_ALIGN
 
 
-# Default `waves` (programs per SM, see plan_splits) per q_len bucket, REASONED for the bench
-# shape (G 4, D 128, bf16) on Hopper, to be replaced by the kernel_sweep optimum:
-# - q 1 (16-row tiles): None = the legacy rule, measured at 0.93-0.97 of copy bandwidth.
-# - q 2..16 (<= 64-row tiles): 2. The likely 64-row configs fit 2 programs per SM (see
-#   HOPPER_CONFIGS), so the launch is exactly one resident wave, no tail (the legacy rule
-#   launched 320 programs for 264 slots at batch 8: a 56-program second wave).
-# - q 17..64 (128-row tiles at q 32+, 8 warps): 1. One 256-thread program per SM.
-DEFAULT_WAVES: dict[int, float | None] = {1: None, 16: 2.0, 64: 1.0}
+# Default `waves` (programs per SM, see plan_splits) by tile, measured on the H200
+# (bench/results/kernel_sweep_h200_quick.json, G 4, D 128, bf16):
+# - q 1 (16-row tiles): None = the legacy rule, 0.93-0.97 of copy bandwidth.
+# - 64-row tiles (q 2..16, and q up to 64 while q * G < 128 rows): 2. The 64-row configs fit
+#   2 programs per SM, so the launch is one resident wave with no tail: 0.67-0.95 of copy
+#   against 0.62-0.84 at 1 and 0.55-0.94 at 4 (q 16); at q 64, 0.31 against 0.21 at 1.
+# - 128-row tiles (8 warps): 1. One 256-thread program per SM: 0.30-0.31 of copy at q 64.
+WAVES_Q1: float | None = None
+WAVES_64_ROWS = 2.0
+WAVES_128_ROWS = 1.0
 
-# Measured picks that replace autotuning, per config set and q_len bucket. q_len 1 on the
-# H200: (64, 4, 3) with the legacy split rule was the fastest config at every point of two
-# sweeps (B 1/8, kv 8k-185k, D 64/128; bench/RESULTS.md), while autotuning's noisy timings
-# picked (64, 4, 4) and lost 3-5% of bandwidth.
-# At heads of <= WIDE_N_MAX_HEAD_DIM dims (the default model's 64), q_len 1 takes 128-key
-# tiles: 38.2 vs 41.4 us per 185k-key launch (bench.attn_floor --configs).
-MEASURED_PICKS: dict[str, dict[int, _TileConfig]] = {"hopper": {1: (64, 4, 3)}}
-MEASURED_PICKS_NARROW_HEADS: dict[str, dict[int, _TileConfig]] = {"hopper": {1: (128, 4, 3)}}
+# Measured picks that replace autotuning, per config set and q_len bucket (a q_len takes the
+# smallest bucket >= it). With a pick for every bucket a serving process never autotunes:
+# autotuning inside a live step stalled it for ~1.1 s (9 configs timed; the first step of a
+# new KV bucket or of a block cut short by max_tokens, bench/RESULTS.md "Session 24").
+# H200 sweeps (bench/RESULTS.md "Paged verify/decode attention"):
+# - q 1: (64, 4, 3) with the legacy split rule was the fastest config at every point of two
+#   sweeps (B 1/8, kv 8k-185k, D 64/128), while autotuning's noisy timings picked (64, 4, 4)
+#   and lost 3-5% of bandwidth.
+# - q 16: (64, 4, 3) at waves 2 was the fastest or within 0.01 of copy of it at all six
+#   points of the quick sweep and at the default model's shape.
+# - q 64: (64, 8, 3) (128-row tiles) 0.30 / 0.31 of copy at batch 1 / 8 against 0.31 / 0.29
+#   for (64, 4, 3); its 128-row tiles halve the K/V re-reads. Below 128 rows a 64-row tile
+#   runs and takes the q 16 pick (8 warps on 64 rows lost: 0.50-0.64 against 0.67-0.92).
+# At heads of <= WIDE_N_MAX_HEAD_DIM dims (the default model's 64), 128-key tiles: 38.2 vs
+# 41.4 us (q 1) and 41.2 vs 43.6 us (q 16) per 185k-key launch (bench.attn_floor --configs).
+MEASURED_PICKS: dict[str, dict[int, _TileConfig]] = {
+    "hopper": {1: (64, 4, 3), 16: (64, 4, 3), 64: (64, 8, 3)},
+}
+MEASURED_PICKS_NARROW_HEADS: dict[str, dict[int, _TileConfig]] = {
+    "hopper": {1: (128, 4, 3), 16: (128, 4, 3), 64: (64, 8, 3)},
+}
 
 
-def measured_pick(capability: tuple[int, int], max_q_len: int,
-                  head_dim: int | None) -> _TileConfig | None:  # fmt: skip
-    """The measured config replacing autotuning for this GPU, q_len and head dim, if any."""
+def measured_pick(capability: tuple[int, int], max_q_len: int, head_dim: int | None,
+                  rows: int | None = None) -> _TileConfig | None:  # fmt: skip
+    """The measured config replacing autotuning for this GPU, q_len and head dim, if any.
+    rows (q_len * G): a wide-tile (8-warp) pick applies only at >= WIDE_M_MIN_ROWS rows;
+    below, the launch tiles 64 rows and takes the next smaller bucket's pick."""
     picks = MEASURED_PICKS
     if head_dim is not None and head_dim <= WIDE_N_MAX_HEAD_DIM:
         picks = MEASURED_PICKS_NARROW_HEADS
-    return picks.get(config_set_for(capability), {}).get(q_bucket(max_q_len))
+    by_bucket = picks.get(config_set_for(capability), {})
+    fits = sorted(b for b in by_bucket if b >= max_q_len)
+    if not fits:
+        return None
+    pick = by_bucket[fits[0]]
+    if pick[1] >= WIDE_M_MIN_WARPS and rows is not None and rows < WIDE_M_MIN_ROWS:
+        narrower = [by_bucket[b] for b in sorted(by_bucket, reverse=True) if b < fits[0]]
+        pick = next((c for c in narrower if c[1] < WIDE_M_MIN_WARPS), pick)
+    return pick
 
 
-def default_waves(max_q_len: int) -> float | None:
-    """DEFAULT_WAVES entry of the smallest bucket >= max_q_len (the largest past the end)."""
-    for bucket in sorted(DEFAULT_WAVES):
-        if max_q_len <= bucket:
-            return DEFAULT_WAVES[bucket]
-    return DEFAULT_WAVES[max(DEFAULT_WAVES)]
+# The drafter's block attention (kernels/draft_attention.py), per config set: one config for
+# every context length, so a drafter never autotunes while serving (its autotune key holds
+# the context's KV bucket: each new power of two stalled a live draft step).
+MEASURED_DRAFT_PICKS: dict[str, _TileConfig] = {}
+
+
+def draft_pick(capability: tuple[int, int]) -> _TileConfig | None:
+    """The measured draft-attention config for this GPU, or None (autotune)."""
+    return MEASURED_DRAFT_PICKS.get(config_set_for(capability))
+
+
+def default_waves(max_q_len: int, block_m: int) -> float | None:
+    """Programs per SM for a launch of this q_len and row tile (see WAVES_*)."""
+    if max_q_len <= 1:
+        return WAVES_Q1
+    return WAVES_128_ROWS if block_m >= WIDE_M_MIN_ROWS else WAVES_64_ROWS
 
 
 def plan_splits(
@@ -267,7 +302,7 @@ def plan_launch(
 ) -> LaunchPlan:  # fmt: skip
     """Tile shape and split count of one paged-attention launch (device: a torch.device;
     rows = max_q_len * G). paged_attention_triton's own planning, public so benchmarks label
-    what they time. waves None: default_waves(max_q_len). head_dim picks measured configs."""
+    what they time. waves None: default_waves. head_dim and rows pick measured configs."""
     interp = interpreter_active()
     if interp or device.type != "cuda":
         cap, sm_count = (0, 0), _INTERPRETER_SMS
@@ -278,7 +313,7 @@ def plan_launch(
     if config is None:
         config = env_config()
     if config is None and not interp:
-        config = measured_pick(cap, max_q_len, head_dim)
+        config = measured_pick(cap, max_q_len, head_dim, rows)
     if config is not None:
         config = tuple(config)
         wide_ok = config[1] >= WIDE_M_MIN_WARPS
@@ -287,6 +322,6 @@ def plan_launch(
     block_m = pick_block_m(rows, wide_ok)
     m_tiles = -(-rows // block_m)
     if waves is None:
-        waves = default_waves(max_q_len)
+        waves = default_waves(max_q_len, block_m)
     splits = plan_splits(max_kv_len, n_req * m_tiles * n_kv_heads, sm_count, num_splits, waves)
     return LaunchPlan(cap, config, block_m, m_tiles, splits)

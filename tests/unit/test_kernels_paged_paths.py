@@ -19,6 +19,7 @@ from splitflash.kernels.tuning import (
     default_waves,
     measured_pick,
     pick_block_m,
+    plan_launch,
     plan_splits,
 )
 from tests.unit.kernel_env import needs_triton
@@ -121,11 +122,24 @@ def test_measured_picks_by_head_dim():
     hopper = (9, 0)
     assert measured_pick(hopper, 1, 64) == (128, 4, 3)  # the default model's heads
     assert measured_pick(hopper, 1, 128) == measured_pick(hopper, 1, None) == (64, 4, 3)
-    assert measured_pick(hopper, 16, 64) is None  # autotuned
     assert measured_pick((8, 0), 1, 64) is None  # no measured pick off Hopper
 
 
-def test_default_waves_buckets():
-    assert default_waves(1) is None  # legacy rule for decode
-    assert default_waves(16) == default_waves(2)
-    assert default_waves(64) is not None and default_waves(64) == default_waves(100)
+@pytest.mark.parametrize("q_len", [1, 2, 7, 16, 17, 33, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_hopper_never_autotunes_and_tiles_fit_the_pick(q_len, head_dim, group):
+    """Every verify shape has a measured pick on Hopper (autotuning inside a live step
+    stalled it ~1.1 s), and an 8-warp pick only where the launch tiles 128 rows."""
+    rows = q_len * group
+    pick = measured_pick((9, 0), q_len, head_dim, rows)
+    assert pick is not None
+    plan = plan_launch(torch.device("cpu"), rows, q_len, 1, 3, 4096, config=pick)
+    assert (plan.block_m == 128) == (pick[1] >= 8)
+    assert plan.block_m >= min(rows, 64)
+
+
+def test_default_waves_by_tile():
+    assert default_waves(1, 16) is None  # legacy rule for decode
+    assert default_waves(16, 64) == default_waves(2, 64) == default_waves(40, 64) == 2.0
+    assert default_waves(64, 128) == 1.0  # one 8-warp program per SM

@@ -1,0 +1,102 @@
+"""The first step of a CUDA-graph key not yet captured against a replay of it: how long a live
+request stalls when verify or the drafter meets a new shape (issue 5, item 4).
+
+Verify: the default model's shape with random weights (as bench.verify_step), one request.
+At each context (each in a new KV bucket) three first steps: a draft block (q 16), a block
+cut short by max_tokens (q 7) and a decode step (q 1). Draft: the shipped drafter with a
+random target head (as bench.draft_graphs), one request whose context grows into each new
+bucket. A first key of each kind at 300 tokens compiles the kernels and is reported apart.
+Times are wall ms from an idle GPU to the step's work done; a repeat is the median of 5.
+
+    python -m bench.first_step --contexts 3000 20000 100000 --json-out first_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+WARM_CONTEXT = 300  # the first key of a process: every kernel compiles here
+
+
+def _wall_ms(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def _first_and_repeat(fn) -> tuple[float, float]:
+    first = _wall_ms(fn)
+    return first, sorted(_wall_ms(fn) for _ in range(5))[2]
+
+
+def verify_rows(contexts: list[int], q_lens: list[int]) -> list[dict]:
+    from bench.verify_step import _engine
+
+    engine = _engine(max(contexts) + 64, 1, 16)
+    cache, ids = engine.cache, engine.feature_layer_ids
+    cache.add("r")
+    cache.reserve("r", max(contexts) + 64)
+    rows = []
+    with torch.inference_mode():
+        for ctx in [WARM_CONTEXT, *contexts]:
+            cache.seq("r").length = ctx  # the random KV stands for `ctx` tokens
+            for q in q_lens:
+                step = engine._step_host([("r", [1] * q, ctx)])
+                first, repeat = _first_and_repeat(lambda s=step: engine.graphs.run(s, ids))
+                rows.append(dict(part="verify", context=ctx, q=q, first_ms=first,
+                                 repeat_ms=repeat))  # fmt: skip
+                print(f"  verify ctx {ctx} q {q}: first {first:.1f} ms, repeat {repeat:.3f} ms",
+                      flush=True)  # fmt: skip
+    return rows
+
+
+def draft_rows(contexts: list[int], block: int) -> list[dict]:
+    from bench.draft_graphs import _drafter
+    from splitflash.models.dflash.graphs import DraftGraphs
+    from splitflash.models.dflash.pool import DraftKVPool
+
+    drafter = _drafter(torch.device("cuda"), torch.bfloat16)
+    pool = DraftKVPool(drafter, slots=1, context=max(contexts) + 16)
+    graphs = DraftGraphs(drafter, pool, batch_sizes=(1,))
+    state = pool.new_state()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    filled, rows = 0, []
+    for ctx in [WARM_CONTEXT, *contexts]:
+        while filled < ctx:  # random context features up to ctx, in chunks
+            n = min(8192, ctx - filled)
+            f = torch.randn(n, drafter.config.feature_dim, generator=gen, device="cuda")
+            drafter.append_context(state, f.to(torch.bfloat16), filled)
+            filled += n
+        first, repeat = _first_and_repeat(lambda c=ctx: graphs.run([state], [1], [c], block))
+        rows.append(dict(part="draft", context=ctx, q=block, first_ms=first, repeat_ms=repeat))
+        print(f"  draft ctx {ctx}: first {first:.1f} ms, repeat {repeat:.3f} ms", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.first_step", description=__doc__)
+    p.add_argument("--contexts", type=int, nargs="+", default=[3000, 20000, 100000])
+    p.add_argument("--q-lens", type=int, nargs="+", default=[16, 7, 1])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json-out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.first_step needs a CUDA GPU")
+    rows = verify_rows(args.contexts, args.q_lens)
+    torch.cuda.empty_cache()
+    rows += draft_rows(args.contexts, args.block_size)
+    if args.json_out:
+        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+        args.json_out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
