@@ -240,7 +240,7 @@ def draft_attention_triton(
     if config is None and interp:
         config = INTERPRETER_CONFIG
     if config is None:
-        config = draft_pick(cap)
+        config = draft_pick(cap, head_dim)
     if config is None and keys_read is not None:
         # The autotuner re-runs the kernel while timing configs, which would add to the
         # keys_read counter many times over: counting calls take one fixed config.

@@ -220,13 +220,22 @@ def measured_pick(capability: tuple[int, int], max_q_len: int, head_dim: int | N
 
 # The drafter's block attention (kernels/draft_attention.py), per config set: one config for
 # every context length, so a drafter never autotunes while serving (its autotune key holds
-# the context's KV bucket: each new power of two stalled a live draft step).
-MEASURED_DRAFT_PICKS: dict[str, _TileConfig] = {}
+# the context's KV bucket: each new power of two stalled a live draft step ~1.0 s on the
+# H200, bench/RESULTS.md "Session 24"). Heads of <= WIDE_N_MAX_HEAD_DIM dims, measured
+# (`python -m bench.draft_attn_sweep`, the shipped drafter's shape, block 16, context 2k-185k
+# and the 512-key window, batch 1 and 8): (64, 4, 4) is within 1.10x of each point's fastest
+# config (within 1.03x at >= 8k and in the window), the smallest worst case of the set;
+# (128, 4, 3) wins at 185k but is 1.17x in the window that two of three layers read.
+# Wider heads: (64, 4, 3), REASONED from the paged kernel's D 128 sweeps (the same loop),
+# not measured for the drafter: (64, 4, 4) needs 128 KiB there, one program per SM.
+MEASURED_DRAFT_PICKS: dict[str, _TileConfig] = {"hopper": (64, 4, 4)}
+DRAFT_PICKS_WIDE_HEADS: dict[str, _TileConfig] = {"hopper": (64, 4, 3)}
 
 
-def draft_pick(capability: tuple[int, int]) -> _TileConfig | None:
-    """The measured draft-attention config for this GPU, or None (autotune)."""
-    return MEASURED_DRAFT_PICKS.get(config_set_for(capability))
+def draft_pick(capability: tuple[int, int], head_dim: int) -> _TileConfig | None:
+    """The draft-attention config for this GPU and head dim, or None (autotune)."""
+    picks = MEASURED_DRAFT_PICKS if head_dim <= WIDE_N_MAX_HEAD_DIM else DRAFT_PICKS_WIDE_HEADS
+    return picks.get(config_set_for(capability))
 
 
 def default_waves(max_q_len: int, block_m: int) -> float | None:

@@ -17,6 +17,7 @@ from splitflash.kernels.tuning import (
     SPLIT_ALIGN,
     autotune_prune,
     default_waves,
+    draft_pick,
     measured_pick,
     pick_block_m,
     plan_launch,
@@ -143,3 +144,11 @@ def test_default_waves_by_tile():
     assert default_waves(1, 16) is None  # legacy rule for decode
     assert default_waves(16, 64) == default_waves(2, 64) == default_waves(40, 64) == 2.0
     assert default_waves(64, 128) == 1.0  # one 8-warp program per SM
+
+
+def test_draft_attention_has_a_pick_on_hopper_only():
+    """The drafter never autotunes on Hopper (a new context bucket stalled a live draft step
+    ~1 s); a 4-stage pick only where a K+V stage is small enough (narrow heads)."""
+    assert draft_pick((9, 0), 64) == (64, 4, 4)
+    assert draft_pick((9, 0), 128)[2] <= 3
+    assert draft_pick((8, 0), 64) is None
