@@ -7,6 +7,7 @@ cut short by max_tokens (q 7) and a decode step (q 1). Draft: the shipped drafte
 random target head (as bench.draft_graphs), one request whose context grows into each new
 bucket. A first key of each kind at 300 tokens compiles the kernels and is reported apart.
 Times are wall ms from an idle GPU to the step's work done; a repeat is the median of 5.
+--warmup runs the services' start-up warm-ups first (their seconds are reported).
 
     python -m bench.first_step --contexts 3000 20000 100000 --json-out first_step.json
 """
@@ -36,14 +37,15 @@ def _first_and_repeat(fn) -> tuple[float, float]:
     return first, sorted(_wall_ms(fn) for _ in range(5))[2]
 
 
-def verify_rows(contexts: list[int], q_lens: list[int]) -> list[dict]:
+def verify_rows(contexts: list[int], q_lens: list[int], warmup: bool) -> list[dict]:
     from bench.verify_step import _engine
+    from splitflash.services.verify.warmup import warm_up
 
     engine = _engine(max(contexts) + 64, 1, 16)
     cache, ids = engine.cache, engine.feature_layer_ids
+    rows = [dict(part="verify", warmup_s=warm_up(engine))] if warmup else []
     cache.add("r")
     cache.reserve("r", max(contexts) + 64)
-    rows = []
     with torch.inference_mode():
         for ctx in [WARM_CONTEXT, *contexts]:
             cache.seq("r").length = ctx  # the random KV stands for `ctx` tokens
@@ -57,17 +59,22 @@ def verify_rows(contexts: list[int], q_lens: list[int]) -> list[dict]:
     return rows
 
 
-def draft_rows(contexts: list[int], block: int) -> list[dict]:
+def draft_rows(contexts: list[int], block: int, warmup: bool) -> list[dict]:
     from bench.draft_graphs import _drafter
     from splitflash.models.dflash.graphs import DraftGraphs
     from splitflash.models.dflash.pool import DraftKVPool
+    from splitflash.services.draft.dflash_drafter import DFlashProposer
+    from splitflash.services.draft.warmup import warm_up
 
     drafter = _drafter(torch.device("cuda"), torch.bfloat16)
-    pool = DraftKVPool(drafter, slots=1, context=max(contexts) + 16)
+    pool = DraftKVPool(drafter, slots=1, context=max(contexts) + 2 * block)
     graphs = DraftGraphs(drafter, pool, batch_sizes=(1,))
+    rows = []
+    if warmup:
+        rows.append(dict(part="draft", warmup_s=warm_up(DFlashProposer(drafter, pool, graphs))))
     state = pool.new_state()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    filled, rows = 0, []
+    filled = 0
     for ctx in [WARM_CONTEXT, *contexts]:
         while filled < ctx:  # random context features up to ctx, in chunks
             n = min(8192, ctx - filled)
@@ -85,13 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[3000, 20000, 100000])
     p.add_argument("--q-lens", type=int, nargs="+", default=[16, 7, 1])
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--warmup", action="store_true", help="the services' warm-ups first")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.first_step needs a CUDA GPU")
-    rows = verify_rows(args.contexts, args.q_lens)
+    rows = verify_rows(args.contexts, args.q_lens, args.warmup)
     torch.cuda.empty_cache()
-    rows += draft_rows(args.contexts, args.block_size)
+    rows += draft_rows(args.contexts, args.block_size, args.warmup)
+    for r in (r for r in rows if "warmup_s" in r):
+        print(f"  {r['part']} warm-up: {r['warmup_s']:.1f} s")
     if args.json_out:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
         args.json_out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -28,6 +28,9 @@ class DraftSettings:
     cuda_graphs: bool = True
     pool_slots: int = 64  # requests held in the pool; more run unpooled and eagerly
     pool_context: int = 0  # rows per full draft layer; 0 = the target's context length
+    # DFlash on CUDA: before serving, a throwaway request's drafts compile the kernels and
+    # capture batch-1 graphs (warmup.py), so the first client request does not pay ~1 s.
+    warmup: bool = True
     peer_id: str = ""  # identity in logs; "" = draft-<pid>
     # CURVE (protocol/security.py): this service's secret key (Z85, inline or a file) and
     # the client public keys let in (the gateway's and every verify worker's). Empty = plain.

@@ -312,10 +312,12 @@ def build_dflash_drafter(
     pool_slots: int = 0,
     pool_context: int = 0,
     cuda_graphs: bool = False,
+    warmup: bool = False,
 ):
     """The draft service's factory: loads only the target's embedding and LM head. On CUDA
     the requests' context lives in a pool (pool_slots requests; pool_context rows per full
-    layer, 0 = the target's context length) and the draft step is CUDA-graphed."""
+    layer, 0 = the target's context length), the draft step is CUDA-graphed and, with
+    warmup, its kernels compile here (warmup.py) rather than in the first request."""
     from splitflash.models import store
     from splitflash.models.loading import load_checkpoint
 
@@ -330,12 +332,18 @@ def build_dflash_drafter(
     )
     ckpt = path or default_drafter_path(target if target in DEFAULT_DRAFTERS else "smollm2-135m")
     on_cuda = torch.device(device).type == "cuda"
-    return load_proposer(
+    proposer = load_proposer(
         ckpt, embed, head, tcfg.num_layers, device, dtype, window_override,
         pool_slots=pool_slots if on_cuda else 0,
         pool_context=pool_context or tcfg.max_position_embeddings,
         cuda_graphs=cuda_graphs,
     )  # fmt: skip
+    if warmup and on_cuda:
+        from splitflash.services.draft.warmup import warm_up  # it imports this module
+
+        logger.info("warming up the draft kernels (settings.warmup) ...")
+        logger.info("draft warm-up done in %.1f s", warm_up(proposer))
+    return proposer
 
 
 def _joined(pending: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, int]:

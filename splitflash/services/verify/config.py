@@ -24,6 +24,9 @@ class VerifySettings:
     # up to graph_max_batch (padded up to the next one); bigger or mixed-length steps run eagerly.
     cuda_graphs: bool = True
     graph_max_batch: int = 32
+    # CUDA only: before serving, one throwaway request's steps compile the kernels and
+    # capture batch-1 graphs (warmup.py), so the first client request does not pay ~1 s.
+    warmup: bool = True
     # CUDA: every verify/decode row computed the same way whatever step it is in, so greedy
     # speculative output is target-only output bit for bit in bf16 too (otherwise only up
     # to near ties of the top two logits). Costs speed: bench/RESULTS.md. See TargetModel.

@@ -14,6 +14,7 @@ from splitflash.models.loading import load_target
 from splitflash.services.verify.config import VerifySettings
 from splitflash.services.verify.engine import TargetEngine
 from splitflash.services.verify.tp_engine import load_tp_engine
+from splitflash.services.verify.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -52,4 +53,8 @@ def load_engine(settings: VerifySettings) -> TargetEngine:
         "verify steps: %s",
         f"CUDA graphs at batch sizes {settings.graph_batch_sizes}" if graphs else "eager",
     )
-    return TargetEngine(model, cache, max_context=settings.max_context or None, graphs=graphs)
+    engine = TargetEngine(model, cache, max_context=settings.max_context or None, graphs=graphs)
+    if settings.warmup and torch.device(settings.device).type == "cuda":
+        log.info("warming up the verify kernels (settings.warmup) ...")
+        log.info("verify warm-up done in %.1f s", warm_up(engine))
+    return engine

@@ -1,0 +1,66 @@
+"""Start-up warm-up of the verify engine: the kernels compile before the first request does.
+
+A process's first forward of a shape compiles its Triton kernels, and the first step of a
+CUDA-graph key captures the graph. Measured on an H100 (`python -m bench.first_step`,
+bench/RESULTS.md "Session 24"): a process's first verify step took 0.9-1.2 s, and 7.6-14 s
+while Hopper launches still autotuned. Without a warm-up the first request pays that. Here
+a throwaway request runs one step at each warm-up context and block length: the kernels
+compile, and batch-1 graphs of the engine's feature layers (none before a drafter asks for
+some) are captured. It runs through the engine's own step path, on pages the cache hands
+out and takes back. Captures made here are logged, not counted: the metrics count captures
+made while serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import torch
+
+from splitflash.models.step_inputs import upload
+from splitflash.services.verify.engine import TargetEngine
+
+log = logging.getLogger(__name__)
+
+# Below one KV split and across several (tuning.SPLIT_ALIGN = 128 keys a split): the kernels
+# specialise on both. Block lengths: decode, a block cut short and a full DFlash block (16);
+# Triton specialises integer arguments on == 1 and on divisibility by 16.
+WARM_CONTEXTS = (300, 3000)
+WARM_Q_LENS = (1, 7, 16)
+
+
+def warm_up(
+    engine: TargetEngine,
+    contexts: tuple[int, ...] = WARM_CONTEXTS,
+    q_lens: tuple[int, ...] = WARM_Q_LENS,
+) -> float:
+    """Run one step per (context, q_len) on a throwaway request; returns the seconds taken.
+    Contexts the engine or its KV pool cannot hold are left out. The engine's requests and
+    KV pool are as they were afterwards."""
+    t0 = time.perf_counter()
+    room = min(engine.max_context, engine.cache.free_pages * engine.cache.page_size)
+    shapes = [(c, q) for c in contexts for q in q_lens if c + q <= room]
+    rid = f"warmup-{uuid.uuid4().hex}"  # never a client's id: the gateway names requests
+    engine.cache.add(rid)
+    try:
+        engine.cache.reserve(rid, max(c + q for c, q in shapes) if shapes else 0)
+        with torch.inference_mode():
+            for i, (ctx, q) in enumerate(shapes, 1):
+                engine.cache.seq(rid).length = ctx  # the keys read are whatever the pages hold
+                step = engine._step_host([(rid, [0] * q, ctx)])
+                layers = engine.feature_layer_ids
+                out = engine.graphs.run(step, layers) if engine.graphs is not None else None
+                if out is None:  # eager, as TargetEngine.verify runs a step no graph fits
+                    engine.model(upload(step, engine.device), engine.cache, None, layers)
+                log.info("warm-up %d/%d: context %d, block %d (%.1f s)", i, len(shapes), ctx, q,
+                         time.perf_counter() - t0)  # fmt: skip
+    finally:
+        engine.cache.free(rid)
+    if engine.graphs is not None:
+        n, seconds = engine.graphs.pop_capture_stats()
+        log.info("warm-up captured %d verify graphs in %.1f s", n, seconds)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - t0

@@ -1,0 +1,69 @@
+"""Start-up warm-ups (services/verify/warmup.py, services/draft/warmup.py) must leave no
+trace: afterwards the engine / proposer holds no request, its KV pool and pool slots are all
+free, the metrics' counters are at zero, and requests served next give exactly what they
+give without a warm-up. On CPU the graphs run their static steps without capture, so the
+warm-up's graph keys are really reused by the requests that follow."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitflash.models.dflash.graphs import DraftGraphs
+from splitflash.models.dflash.pool import DraftKVPool
+from splitflash.services.draft.dflash_drafter import DFlashProposer
+from splitflash.services.draft.warmup import warm_up as warm_up_drafter
+from splitflash.services.verify.warmup import warm_up as warm_up_verify
+from tests.conftest import tiny_model
+from tests.unit.test_dflash_support import feats, make
+from tests.unit.test_verify_graphs import _engine, _run
+
+
+def test_verify_warm_up_leaves_no_trace(caplog):
+    model = tiny_model()
+    plain, warmed = _engine(model, graphs=True), _engine(model, graphs=True)
+    free = warmed.cache.free_pages
+    with caplog.at_level(logging.INFO, "splitflash.services.verify.warmup"):
+        seconds = warm_up_verify(warmed, contexts=(5, 300), q_lens=(1, 4))
+    assert seconds > 0
+    assert sum("warm-up 4/4" in r.getMessage() for r in caplog.records) == 1  # every shape ran
+    assert warmed.graphs.captures == 4  # (B_pad 1, q 1 / 4, KV bucket 256 / 512)
+    assert warmed.graphs.pop_capture_stats() == (0, 0.0)  # popped: not counted as serving
+    assert warmed.cache.free_pages == free and not warmed.seqs
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
+    blocks = [4, 4, 1, 1, 4]
+    want, got = _run(plain, prompts, blocks, seed=2), _run(warmed, prompts, blocks, seed=2)
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b[2], a[2], rtol=0, atol=0)
+
+
+def test_verify_warm_up_skips_what_the_pool_cannot_hold():
+    engine = _engine(tiny_model(), graphs=False)
+    room = engine.cache.free_pages * engine.cache.page_size
+    warm_up_verify(engine, contexts=(5, room), q_lens=(1,))  # room + 1 does not fit
+    assert engine.cache.free_pages * engine.cache.page_size == room and not engine.seqs
+
+
+def test_draft_warm_up_leaves_no_trace():
+    drafter = make()
+    pool = DraftKVPool(drafter, slots=3, context=64)
+    warmed = DFlashProposer(drafter, pool, DraftGraphs(drafter, pool, capture=False))
+    free = pool.free_slots
+    warm_up_drafter(warmed, contexts=(5, 20, 1000))  # 1000 is past the pool: left out
+    assert not warmed.requests and pool.free_slots == free
+    # Both contexts in one bucket: one key, run by all four drafts (prompt rows written
+    # eagerly, then a step's rows inside the graph).
+    assert warmed.graphs.captures == 1 and warmed.graphs.replays == 4
+    assert warmed.pop_capture_stats() == (0, 0.0)
+    assert warmed.pop_forwards() == {"graph": 0, "eager": 0}
+    assert warmed.pop_keys_read() == {}
+    plain = DFlashProposer(drafter)
+    prompts = {"a": list(range(1, 12)), "b": list(range(20, 25))}
+    for prop in (warmed, plain):
+        for rid, ids in prompts.items():
+            prop.open(rid, ids)
+            prop.add_features(rid, 0, feats(len(ids) - 1, seed=len(ids)))
+    assert warmed.propose_batch(["a", "b"], 5) == plain.propose_batch(["a", "b"], 5)
+    assert warmed.pop_keys_read() == plain.pop_keys_read()
