@@ -9,6 +9,8 @@
 #     then the GPU tests of the kernels
 #   carry [".whl", "before"]: bash bench/gpu_s24.sh c
 #     with the drafter pick: the first step again, and the draft step before/after
+#   carry [".whl"]: bash bench/gpu_s24.sh d
+#     the start-up warm-ups: the first steps after them, and the GPU tests of warm-ups/graphs
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
@@ -46,4 +48,9 @@ elif [ "$1" = c ]; then
     timeout 100 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 \
       --json-out "$OUT/draft_graphs_$way.json" 2>&1 | tail -4
   done
+elif [ "$1" = d ]; then
+  timeout 200 python3 -m bench.first_step --warmup --json-out "$OUT/first_step_warmup.json" \
+    2>&1 | grep -vE "Warning|capture_end" | tail -20
+  timeout 240 python3 -m pytest -q -m gpu tests/unit/test_warmup.py \
+    tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py 2>&1 | tail -4
 fi

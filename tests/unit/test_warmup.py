@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from splitflash.models.dflash.graphs import DraftGraphs
@@ -16,7 +17,8 @@ from splitflash.services.draft.dflash_drafter import DFlashProposer
 from splitflash.services.draft.warmup import warm_up as warm_up_drafter
 from splitflash.services.verify.warmup import warm_up as warm_up_verify
 from tests.conftest import tiny_model
-from tests.unit.test_dflash_support import feats, make
+from tests.unit.kernel_env import CUDA, INTERPRET
+from tests.unit.test_dflash_support import feats, make, shared
 from tests.unit.test_verify_graphs import _engine, _run
 
 
@@ -67,3 +69,23 @@ def test_draft_warm_up_leaves_no_trace():
             prop.add_features(rid, 0, feats(len(ids) - 1, seed=len(ids)))
     assert warmed.propose_batch(["a", "b"], 5) == plain.propose_batch(["a", "b"], 5)
     assert warmed.pop_keys_read() == plain.pop_keys_read()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU, TRITON_INTERPRET unset")
+def test_warm_ups_on_cuda_capture_and_leave_no_trace():
+    """Real captures: the graphs the warm-ups leave are the ones later requests replay."""
+    model = tiny_model().to("cuda")
+    plain, warmed = (_engine(model, graphs=True, capture=True) for _ in range(2))
+    warm_up_verify(warmed, contexts=(5, 300), q_lens=(1, 4))
+    assert warmed.graphs.captures == 4 and not warmed.seqs
+    prompts, blocks = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]], [4, 4, 1, 1, 4]
+    want, got = _run(plain, prompts, blocks, seed=2), _run(warmed, prompts, blocks, seed=2)
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    drafter = make().cuda()
+    emb, head = shared(0)
+    drafter.attach_shared(torch.nn.Embedding.from_pretrained(emb.weight.cuda()), head.cuda())
+    pool = DraftKVPool(drafter, slots=3, context=64)
+    graphs = DraftGraphs(drafter, pool)
+    warm_up_drafter(DFlashProposer(drafter, pool, graphs), contexts=(5, 20))
+    assert graphs.captures == 1 and graphs.replays == 4 and pool.free_slots == 3
