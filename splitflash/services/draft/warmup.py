@@ -22,9 +22,11 @@ from splitflash.services.draft.dflash_drafter import DFlashProposer
 
 log = logging.getLogger(__name__)
 
-# Inside the shipped drafter's 512-key window and past it, where its sliding layers read a
-# full window and its full layer splits the context over several programs.
-WARM_CONTEXTS = (300, 3000)
+# Inside the shipped drafter's 512-key window, past it (its sliding layers read a full
+# window, its full layer splits the context over several programs) and at the most splits a
+# batch-1 launch plans (the split combine specialises on the count's power of two; see
+# services/verify/warmup.py). Contexts past the pool's rows are left out.
+WARM_CONTEXTS = (300, 3000, 20000)
 
 
 def warm_up(proposer: DFlashProposer, contexts: tuple[int, ...] = WARM_CONTEXTS) -> float:

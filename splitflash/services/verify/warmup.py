@@ -24,10 +24,13 @@ from splitflash.services.verify.engine import TargetEngine
 
 log = logging.getLogger(__name__)
 
-# Below one KV split and across several (tuning.SPLIT_ALIGN = 128 keys a split): the kernels
-# specialise on both. Block lengths: decode, a block cut short and a full DFlash block (16);
-# Triton specialises integer arguments on == 1 and on divisibility by 16.
-WARM_CONTEXTS = (300, 3000)
+# Below one KV split, across a few and at the most a batch-1 launch plans (tuning.py: 128
+# keys a split, up to ~2 programs per SM, 88 splits for the default model on 132 SMs): the
+# kernels specialise on a single split, and the split combine on the split count's power of
+# two. Without the third, the first step past ~11k keys compiled the combine: 263 ms on the
+# H200 (bench/RESULTS.md "Session 24"). Block lengths: decode, a block cut short and a full
+# DFlash block (16); Triton specialises integer arguments on == 1 and divisibility by 16.
+WARM_CONTEXTS = (300, 3000, 20000)
 WARM_Q_LENS = (1, 7, 16)
 
 
