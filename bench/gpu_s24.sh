@@ -9,8 +9,19 @@
 #     then the GPU tests of the kernels
 #   carry [".whl", "before"]: bash bench/gpu_s24.sh c
 #     with the drafter pick: the first step again, and the draft step before/after
+#   carry [".model/a"]: bash bench/gpu_s24.sh a_model; [".model/b"]: ... b_model; then
+#   carry [".whl", ".model/c"]: bash bench/gpu_s24.sh e
+#     the real model end to end (the services' loader, so its warm-up): bench.long_context
+#     --gate at 1.4k / 8k / 32k, as session 23's mode c
 #   carry [".whl"]: bash bench/gpu_s24.sh d
 #     the start-up warm-ups: the first steps after them, and the GPU tests of warm-ups/graphs
+if [ "$1" = a_model ] || [ "$1" = b_model ]; then
+  mkdir -p "$HOME/m" && cp ".model/${1%_model}"/* "$HOME/m/" && exit 0
+  exit 1
+fi
+if [ "$1" = e ]; then
+  mkdir -p "$HOME/m" && cp .model/c/* "$HOME/m/" || exit 1
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
@@ -53,4 +64,11 @@ elif [ "$1" = d ]; then
     2>&1 | grep -vE "Warning|capture_end" | tail -20
   timeout 240 python3 -m pytest -q -m gpu tests/unit/test_warmup.py \
     tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py 2>&1 | tail -4
+elif [ "$1" = e ]; then
+  cat "$HOME"/m/part-* > "$HOME/m/model.gguf" && sha256sum "$HOME/m/model.gguf"
+  timeout 420 python3 -m bench.long_context --device cuda --target "$HOME/m/model.gguf" \
+    --contexts 1400 8192 32768 --windows checkpoint --gate --max-tokens 128 \
+    --json-out "$OUT/long_context_s24.json" > "$OUT/long_context_s24.log" 2>&1
+  echo "rc $?"
+  grep -E "^ctx|warm-up|differs|LOSSY|Error|error" "$OUT/long_context_s24.log" | tail -30
 fi
