@@ -66,7 +66,9 @@ elif [ "$1" = d ]; then
     tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py 2>&1 | tail -4
 elif [ "$1" = e ]; then
   cat "$HOME"/m/part-* > "$HOME/m/model.gguf" && sha256sum "$HOME/m/model.gguf"
-  timeout 420 python3 -m bench.long_context --device cuda --target "$HOME/m/model.gguf" \
+  timeout 420 python3 -c "import logging, sys; logging.basicConfig(level=logging.INFO)
+from bench.long_context import main; sys.exit(main(sys.argv[1:]))" \
+    --device cuda --target "$HOME/m/model.gguf" \
     --contexts 1400 8192 32768 --windows checkpoint --gate --max-tokens 128 \
     --json-out "$OUT/long_context_s24.json" > "$OUT/long_context_s24.log" 2>&1
   echo "rc $?"
