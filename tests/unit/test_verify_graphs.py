@@ -127,3 +127,28 @@ def test_captured_graphs_equal_eager_on_gpu():
     # Same kernels; the graph plans its KV splits for the bucket, so sums may reorder.
     _same(want, got, atol=1e-4)
     assert graphed.graphs.replays == len(blocks) and graphed.graphs.captures == 3
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, seed=5)])
+def test_a_block_past_the_budget_keeps_its_length_and_commits_what_a_cut_block_does(sampling):
+    """Drafts past max_commit stay in the block (one block length: one graph, no eager
+    batch of mixed lengths) but are not judged: the outcome, the sampler's draws and the KV
+    are those of the block cut to the budget, and greedy commits target-only tokens."""
+    model = tiny_model()
+    prompt = [3, 1, 4, 1, 5]
+    plain = _engine(model, graphs=False)  # target-only greedy continuation: 6 tokens
+    plain.prefill("t", prompt, Sampling(), (), 10_000)
+    for _ in range(5):
+        plain.verify([VerifyInput("t", len(plain.seqs["t"].tokens), [], 10_000)])
+    drafts = plain.seqs["t"].tokens[len(prompt) + 1 :]  # what the target would say next
+    reports = {}
+    for name, ids in (("full", drafts), ("cut", drafts[:2])):
+        engine = _engine(model, graphs=True)
+        engine.prefill("r", prompt, sampling, (), 10_000)
+        (rep,) = engine.verify([VerifyInput("r", len(prompt) + 1, ids, 3)])
+        reports[name] = (rep.outcome, engine.cache.seq("r").length, engine.graphs._graphs)
+    (full, full_kv, full_graphs), (cut, cut_kv, _) = reports["full"], reports["cut"]
+    assert full == cut and full_kv == cut_kv and full.commit_len <= 3
+    assert [key[1] for key in full_graphs] == [len(drafts) + 1]  # Q of the whole block
+    if sampling.greedy:
+        assert full.committed == plain.seqs["t"].tokens[len(prompt) + 1 : len(prompt) + 4]

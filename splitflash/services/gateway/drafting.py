@@ -146,7 +146,10 @@ class Drafting:
                 deadline=time.time() + self.settings.draft_timeout_s,
                 base_len=j.base_len,
                 last_ids=j.pending_for_drafter,
-                max_drafts=min(j.block_size - 1, j.remaining - 1),
+                # A full block even where fewer tokens remain: verify cuts the commit to
+                # the budget, and blocks of one length keep draft and verify steps on
+                # their captured CUDA graphs (a batch of mixed lengths runs eagerly).
+                max_drafts=j.block_size - 1,
             )
             for j in jobs
         ]

@@ -205,7 +205,8 @@ class Orchestrator:
                 if result.error:
                     fail(job, 500, f"verify failed: {result.error}", "verify_error")
                     continue
-                n_drafted = len(drafts.get(job.request_id, []))
+                # Drafts past the budget fill the block's shape and are not judged.
+                n_drafted = min(len(drafts.get(job.request_id, [])), max(0, job.remaining - 1))
                 reason = fallback.get(job.request_id)
                 record_result(job, result, n_drafted, reason, timer, self.metrics)
                 commit(job, result.committed_ids, result.finished_reason, self.metrics)

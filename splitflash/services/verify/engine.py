@@ -175,9 +175,12 @@ class TargetEngine:
                     f"request {item.request_id!r}: caller says {item.base_len} committed, "
                     f"target has {len(seq.tokens)} committed and KV length {kv_len}"
                 )
-            # Drafts past the context or past the request's budget cannot be committed.
-            room = min(self.max_context - len(seq.tokens), item.max_commit - 1)
-            drafts = item.draft_ids[: max(0, room)]
+            # Drafts past the context cannot be written. Drafts past the request's budget
+            # stay in the block but are not judged (_verify_spans): a block cut to the
+            # budget would be a new block length, so a CUDA graph captured in a live step
+            # (~50 ms) and a batch of mixed lengths run eagerly (bench/RESULTS.md "Session
+            # 24": blocks of 4-15 tokens at the ends of 128-token requests).
+            drafts = item.draft_ids[: max(0, self.max_context - len(seq.tokens))]
             block = [seq.tokens[-1]] + drafts
             try:
                 self.cache.reserve(item.request_id, kv_len + len(block))
@@ -201,11 +204,12 @@ class TargetEngine:
         lo = 0
         for rid, block, kv_len, max_commit in spans:
             seq = self.seqs[rid]
-            drafts = block[1:]
+            drafts = block[1 : max(1, max_commit)]  # those the budget can commit
+            judged = len(drafts) + 1  # rows of the anchor and those drafts
             if seq.sampling.greedy:
-                outcome = accept_greedy_ids(drafts, argmax[lo : lo + len(block)])
+                outcome = accept_greedy_ids(drafts, argmax[lo : lo + judged])
             else:
-                probs = target_probs(out.logits[lo : lo + len(block)], seq.sampling)  # [K+1, V]
+                probs = target_probs(out.logits[lo : lo + judged], seq.sampling)  # [K+1, V]
                 outcome = accept_chain_sampled(drafts, probs, seq.generator)
             outcome = truncate_outcome(outcome, max_commit, seq.stop_ids)
             finished = outcome.commit_len < outcome.accepted_drafts + 1 or (
