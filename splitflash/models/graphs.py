@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitflash.kernels.tuning import kv_bucket
+from splitflash.kernels.tuning import kv_bucket, next_pow2
 from splitflash.models.attention import MAX_TREE_Q
 from splitflash.models.kv_cache import PagedKVCache
 from splitflash.models.step_inputs import StepHost, buffer_words, pack, views
@@ -115,6 +115,16 @@ class VerifyGraphs(CaptureStats):
         if b_pad is None:
             return None
         return b_pad, q, kv_bucket(max(kv_lens))
+
+    def padded_block_len(self, q_lens: list[int]) -> int | None:
+        """The block length every request of a step with these block lengths is padded to
+        (TargetEngine): the next power of two of the longest, so steps of mixed lengths
+        share one graph and drafters of varying lengths meet a handful of keys. None when no
+        graph takes the step anyway (too many requests, a failed capture): no padding."""
+        if self.failed or not q_lens or len(q_lens) > self.batch_sizes[-1]:
+            return None
+        q = next_pow2(max(q_lens))
+        return q if q <= MAX_TREE_Q else None
 
     @torch.inference_mode()
     def run(self, step: StepHost, hidden_layer_ids: tuple[int, ...] = ()) -> ForwardOutput | None:

@@ -149,6 +149,38 @@ def test_a_block_past_the_budget_keeps_its_length_and_commits_what_a_cut_block_d
         reports[name] = (rep.outcome, engine.cache.seq("r").length, engine.graphs._graphs)
     (full, full_kv, full_graphs), (cut, cut_kv, _) = reports["full"], reports["cut"]
     assert full == cut and full_kv == cut_kv and full.commit_len <= 3
-    assert [key[1] for key in full_graphs] == [len(drafts) + 1]  # Q of the whole block
+    assert [key[1] for key in full_graphs] == [8]  # the whole block (6), padded to 2^k
     if sampling.greedy:
         assert full.committed == plain.seqs["t"].tokens[len(prompt) + 1 : len(prompt) + 4]
+
+
+def test_steps_of_mixed_draft_lengths_are_padded_onto_one_graph():
+    """An n-gram drafter proposes 0..k tokens a request: the blocks are padded to the next
+    power of two of the longest with anchor copies that are never judged, so the step runs
+    from one graph and commits what an eager step of the unpadded blocks commits."""
+    model = tiny_model()
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7]]
+    plain = _engine(model, graphs=False)  # each request's target-only next tokens
+    for i, prompt in enumerate(prompts):
+        plain.prefill(f"r{i}", prompt, Sampling(), (), 10_000)
+        for _ in range(5):
+            plain.verify([VerifyInput(f"r{i}", len(plain.seqs[f"r{i}"].tokens), [], 10_000)])
+    greedy = {f"r{i}": plain.seqs[f"r{i}"].tokens[len(p) + 1 :] for i, p in enumerate(prompts)}
+    drafts = {"r0": greedy["r0"][:2], "r1": greedy["r1"][:1] + [0, 0, 0, 0], "r2": []}
+    outcomes = {}
+    for graphs in (False, True):
+        engine = _engine(model, graphs=graphs)
+        for i, prompt in enumerate(prompts):
+            engine.prefill(f"r{i}", prompt, Sampling(), (), 10_000)
+        items = [VerifyInput(r, len(engine.seqs[r].tokens), d, 10_000) for r, d in drafts.items()]
+        outcomes[graphs] = [(r.outcome, r.features.shape) for r in engine.verify(items)]
+        assert engine.last_forward_mode == ("graph" if graphs else "eager")
+        lengths = {r: engine.cache.seq(r).length for r in drafts}
+    assert [o for o, _ in outcomes[True]] == [o for o, _ in outcomes[False]]
+    assert [s for _, s in outcomes[True]] == [s for _, s in outcomes[False]]
+    assert [o.committed for o, _ in outcomes[True]] == [greedy["r0"][:3], greedy["r1"][:2],
+                                                        greedy["r2"][:1]]  # fmt: skip
+    assert engine.graphs._graphs and [k[1] for k in engine.graphs._graphs] == [8]  # 6 -> 8
+    committed = [len(o.committed) for o, _ in outcomes[True]]
+    want = [len(p) + n for p, n in zip(prompts, committed, strict=True)]
+    assert list(lengths.values()) == want  # KV holds the committed tokens, no padding

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from splitflash.models.graphs import VerifyGraphs
-from splitflash.models.kv_cache import PagedKVCache
+from splitflash.models.kv_cache import KVPoolFullError, PagedKVCache
 from splitflash.models.step_inputs import StepHost, upload
 from splitflash.models.target import ForwardBatch, TargetModel
 from splitflash.services.verify.acceptance import (
@@ -187,13 +187,35 @@ class TargetEngine:
             except Exception as exc:  # pool full: this request fails, the batch goes on
                 reports[item.request_id] = StepReport(item.request_id, None, 0, error=str(exc))
                 continue
-            spans.append((item.request_id, block, kv_len, item.max_commit))
+            judged = min(len(drafts), max(0, item.max_commit - 1))  # drafts the budget allows
+            spans.append((item.request_id, block, kv_len, item.max_commit, judged))
+        if spans and self.graphs is not None:
+            self._pad_blocks(spans)
         if spans:
             self._verify_spans(spans, reports)
         return [reports[i.request_id] for i in items]
 
+    def _pad_blocks(self, spans) -> None:
+        """Pad every block to the step's graph block length (VerifyGraphs.padded_block_len)
+        with copies of its anchor, never judged (_verify_spans). Without it a drafter that
+        proposes fewer tokens than a block (n-gram, a draft cut at the context end) makes
+        every step of mixed lengths eager and every new length a graph captured in a live
+        step. A block that cannot grow (context end, KV pool full) stays as it is: the step
+        then runs eagerly, as before."""
+        q_pad = self.graphs.padded_block_len([len(span[1]) for span in spans])
+        if q_pad is None:
+            return
+        for rid, block, kv_len, *_ in spans:
+            if len(block) >= q_pad or kv_len + q_pad > self.max_context:
+                continue
+            try:
+                self.cache.reserve(rid, kv_len + q_pad)
+            except KVPoolFullError:
+                continue
+            block.extend([block[0]] * (q_pad - len(block)))
+
     def _verify_spans(self, spans, reports: dict[str, StepReport]) -> None:
-        step = self._step_host([(rid, block, start) for rid, block, start, _ in spans])
+        step = self._step_host([(rid, block, start) for rid, block, start, *_ in spans])
         out = None if self.graphs is None else self.graphs.run(step, self.feature_layer_ids)
         self.last_forward_mode = "eager" if out is None else "graph"
         if out is None:  # no graph fits this step (or none wanted): eager
@@ -202,10 +224,10 @@ class TargetEngine:
         greedy = any(self.seqs[s[0]].sampling.greedy for s in spans)
         argmax = out.logits.argmax(dim=-1).tolist() if greedy else None  # [N] ids
         lo = 0
-        for rid, block, kv_len, max_commit in spans:
+        for rid, block, kv_len, max_commit, n_judged in spans:
             seq = self.seqs[rid]
-            drafts = block[1 : max(1, max_commit)]  # those the budget can commit
-            judged = len(drafts) + 1  # rows of the anchor and those drafts
+            drafts = block[1 : 1 + n_judged]  # past them: over budget, or padding
+            judged = n_judged + 1  # rows of the anchor and those drafts
             if seq.sampling.greedy:
                 outcome = accept_greedy_ids(drafts, argmax[lo : lo + judged])
             else:
