@@ -13,6 +13,9 @@
 #   carry [".whl", ".model/c"]: bash bench/gpu_s24.sh e
 #     the real model end to end (the services' loader, so its warm-up): bench.long_context
 #     --gate at 1.4k / 8k / 32k, as session 23's mode c
+#   carry [".whl"]: bash bench/gpu_s24.sh f
+#     engine.verify steps whose requests draft different lengths: padded onto one graph
+#     (verify() ms) against the unpadded eager step they ran as before (eager verify() ms)
 #   carry [".whl"]: bash bench/gpu_s24.sh d
 #     the start-up warm-ups: the first steps after them, and the GPU tests of warm-ups/graphs
 if [ "$1" = a_model ] || [ "$1" = b_model ]; then
@@ -73,4 +76,7 @@ from bench.long_context import main; sys.exit(main(sys.argv[1:]))" \
     --json-out "$OUT/long_context_s24.json" > "$OUT/long_context_s24.log" 2>&1
   echo "rc $?"
   grep -E "^ctx|warm-up|differs|LOSSY|Error|error" "$OUT/long_context_s24.log" | tail -30
+elif [ "$1" = f ]; then
+  timeout 300 python3 -m bench.verify_step --contexts 512 32768 --batches 4 8 --q-lens 16 \
+    --reps 20 --mixed-drafts --json-out "$OUT/verify_step_mixed.json" 2>&1 | tail -6
 fi

@@ -101,9 +101,10 @@ def _engine(context: int, batch: int, page: int, invariant: bool = False,
     return TargetEngine(model, cache, features, max_context=1 << 30, graphs=graphs)
 
 
-def _engine_step_ms(engine, batch: int, q_len: int, reps: int) -> float:
+def _engine_step_ms(engine, batch: int, q_len: int, reps: int, mixed: bool = False) -> float:
     """Wall time of TargetEngine.verify (host work, forward, acceptance) on live sequences
-    whose KV is the random context: what the verify server spends per step."""
+    whose KV is the random context: what the verify server spends per step. mixed: request b
+    drafts q_len - 1 - b % q_len tokens (an n-gram drafter's varying lengths)."""
     import torch
 
     from splitflash.services.verify.engine import Sequence, VerifyInput
@@ -121,8 +122,9 @@ def _engine_step_ms(engine, batch: int, q_len: int, reps: int) -> float:
         rids.append(rid)
     times = []
     for i in range(reps + 3):
-        items = [VerifyInput(r, len(engine.seqs[r].tokens), [7] * (q_len - 1), 1 << 30)
-                 for r in rids]  # fmt: skip
+        n_drafts = [q_len - 1 - (b % q_len if mixed else 0) for b in range(batch)]
+        items = [VerifyInput(r, len(engine.seqs[r].tokens), [7] * n, 1 << 30)
+                 for r, n in zip(rids, n_drafts, strict=True)]  # fmt: skip
         torch.cuda.synchronize()
         t = time.perf_counter()
         engine.verify(items)
@@ -169,8 +171,10 @@ def measure(
     profile: bool = False,
     invariant: bool = False,
     shape: str = "smollm2-135m",
+    mixed: bool = False,
 ):
-    """One row: eager and graphed step times at `context` keys per request."""
+    """One row: eager and graphed step times at `context` keys per request (mixed: the
+    engine.verify steps draft mixed lengths, see _engine_step_ms)."""
     import torch
 
     engine = _engine(context, batch, page, invariant, shape)
@@ -192,9 +196,9 @@ def measure(
         graph_ms = _median_ms(lambda: engine.graphs.run(step, ids), reps)
         entry = next(iter(engine.graphs._graphs.values()))
         replay_ms = _median_ms(entry.graph.replay, reps) if entry.graph else float("nan")
-        step_ms = _engine_step_ms(engine, batch, q_len, reps)
+        step_ms = _engine_step_ms(engine, batch, q_len, reps, mixed)
         saved, engine.graphs = engine.graphs, None
-        eager_step_ms = _engine_step_ms(engine, batch, q_len, reps)
+        eager_step_ms = _engine_step_ms(engine, batch, q_len, reps, mixed)
         engine.graphs = saved
         prof = None
         if profile:
@@ -234,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--json-out", default=None)
     p.add_argument("--profile", action="store_true", help="per-kernel GPU time of a step")
+    p.add_argument("--mixed-drafts", action="store_true",
+                   help="engine.verify steps whose requests draft different lengths")  # fmt: skip
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant steps (TargetModel.batch_invariant)")  # fmt: skip
     p.add_argument(
@@ -253,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batches:
             for q in args.q_lens:
                 r = measure(ctx, b, q, copy, args.reps, profile=args.profile,
-                            invariant=args.batch_invariant, shape=args.shape)  # fmt: skip
-                r["batch_invariant"] = args.batch_invariant
+                            invariant=args.batch_invariant, shape=args.shape,
+                            mixed=args.mixed_drafts)  # fmt: skip
+                r["batch_invariant"], r["mixed_drafts"] = args.batch_invariant, args.mixed_drafts
                 torch.cuda.empty_cache()  # the last engine's KV pool is garbage now
                 rows.append(r)
                 print(f"[{time.perf_counter() - t0:6.1f}s] ctx {ctx} B {b} q {q}: eager "
