@@ -184,3 +184,21 @@ def test_steps_of_mixed_draft_lengths_are_padded_onto_one_graph():
     committed = [len(o.committed) for o, _ in outcomes[True]]
     want = [len(p) + n for p, n in zip(prompts, committed, strict=True)]
     assert list(lengths.values()) == want  # KV holds the committed tokens, no padding
+
+
+def test_drafts_past_the_budget_never_cost_a_request_its_kv_room():
+    """A full pool: the drafts the budget allows still fit, those past it do not. The
+    request is served as the cut block, not failed."""
+    model = tiny_model()
+    prompt, drafts = [3, 1, 4, 1, 5], [7] * 15
+    outcomes = []
+    for room in (False, True):
+        engine = _engine(model, graphs=True)
+        engine.prefill("r", prompt, Sampling(), (), 10_000)  # 5 tokens: 2 pages of 4
+        if not room:  # leave no free page: 5 + anchor + 1 judged draft fit in 2 pages
+            engine.cache.add("hog")
+            engine.cache.reserve("hog", engine.cache.free_pages * PAGE)
+        (rep,) = engine.verify([VerifyInput("r", len(prompt) + 1, drafts, 2)])
+        assert rep.error is None and not rep.violations
+        outcomes.append(rep.outcome)
+    assert outcomes[0] == outcomes[1] and outcomes[0].commit_len <= 2

@@ -181,13 +181,17 @@ class TargetEngine:
             # (~50 ms) and a batch of mixed lengths run eagerly (bench/RESULTS.md "Session
             # 24": blocks of 4-15 tokens at the ends of 128-token requests).
             drafts = item.draft_ids[: max(0, self.max_context - len(seq.tokens))]
+            judged = min(len(drafts), max(0, item.max_commit - 1))  # drafts the budget allows
             block = [seq.tokens[-1]] + drafts
             try:
-                self.cache.reserve(item.request_id, kv_len + len(block))
+                self.cache.reserve(item.request_id, kv_len + 1 + judged)
             except Exception as exc:  # pool full: this request fails, the batch goes on
                 reports[item.request_id] = StepReport(item.request_id, None, 0, error=str(exc))
                 continue
-            judged = min(len(drafts), max(0, item.max_commit - 1))  # drafts the budget allows
+            try:  # the drafts past the budget only where the pool has room for them
+                self.cache.reserve(item.request_id, kv_len + len(block))
+            except KVPoolFullError:
+                del block[1 + judged :]
             spans.append((item.request_id, block, kv_len, item.max_commit, judged))
         if spans and self.graphs is not None:
             self._pad_blocks(spans)
