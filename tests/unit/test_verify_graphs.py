@@ -202,3 +202,15 @@ def test_drafts_past_the_budget_never_cost_a_request_its_kv_room():
         assert rep.error is None and not rep.violations
         outcomes.append(rep.outcome)
     assert outcomes[0] == outcomes[1] and outcomes[0].commit_len <= 2
+
+
+def test_drafts_past_a_budget_never_take_the_room_of_another_requests_judged_block():
+    model = tiny_model()
+    engine = _engine(model, graphs=True)
+    for rid in ("a", "b"):
+        engine.prefill(rid, [3, 1, 4, 1, 5], Sampling(), (), 10_000)  # 2 pages of 4 each
+    engine.cache.add("hog")  # leave 4 pages: a's 15 drafts would take them all, b needs 1
+    engine.cache.reserve("hog", (engine.cache.free_pages - 4) * PAGE)
+    reports = engine.verify([VerifyInput("a", 6, [7] * 15, 2), VerifyInput("b", 6, [7] * 3, 99)])
+    assert [r.error for r in reports] == [None, None]
+    assert reports[0].outcome.commit_len <= 2

@@ -175,48 +175,51 @@ class TargetEngine:
                     f"request {item.request_id!r}: caller says {item.base_len} committed, "
                     f"target has {len(seq.tokens)} committed and KV length {kv_len}"
                 )
-            # Drafts past the context cannot be written. Drafts past the request's budget
-            # stay in the block but are not judged (_verify_spans): a block cut to the
-            # budget would be a new block length, so a CUDA graph captured in a live step
-            # (~50 ms) and a batch of mixed lengths run eagerly (bench/RESULTS.md "Session
-            # 24": blocks of 4-15 tokens at the ends of 128-token requests).
+            # Drafts past the context cannot be written; those past the budget are not
+            # judged, but stay in the block where there is room (_fit_blocks).
             drafts = item.draft_ids[: max(0, self.max_context - len(seq.tokens))]
             judged = min(len(drafts), max(0, item.max_commit - 1))  # drafts the budget allows
-            block = [seq.tokens[-1]] + drafts
             try:
                 self.cache.reserve(item.request_id, kv_len + 1 + judged)
             except Exception as exc:  # pool full: this request fails, the batch goes on
                 reports[item.request_id] = StepReport(item.request_id, None, 0, error=str(exc))
                 continue
-            try:  # the drafts past the budget only where the pool has room for them
-                self.cache.reserve(item.request_id, kv_len + len(block))
-            except KVPoolFullError:
-                del block[1 + judged :]
+            block = [seq.tokens[-1]] + drafts
             spans.append((item.request_id, block, kv_len, item.max_commit, judged))
-        if spans and self.graphs is not None:
-            self._pad_blocks(spans)
         if spans:
+            self._fit_blocks(spans)
             self._verify_spans(spans, reports)
         return [reports[i.request_id] for i in items]
 
-    def _pad_blocks(self, spans) -> None:
-        """Pad every block to the step's graph block length (VerifyGraphs.padded_block_len)
-        with copies of its anchor, never judged (_verify_spans). Without it a drafter that
-        proposes fewer tokens than a block (n-gram, a draft cut at the context end) makes
-        every step of mixed lengths eager and every new length a graph captured in a live
-        step. A block that cannot grow (context end, KV pool full) stays as it is: the step
-        then runs eagerly, as before."""
-        q_pad = self.graphs.padded_block_len([len(span[1]) for span in spans])
-        if q_pad is None:
+    def _fit_blocks(self, spans) -> None:
+        """Give blocks one length where it costs nothing but KV room, taken only once every
+        judged block has its own (no request fails for it). A block cut to its budget, or a
+        drafter proposing fewer tokens than a block (n-gram, a draft cut at the context
+        end), would be a new block length: a CUDA graph captured in a live step (~50 ms),
+        and a step of mixed lengths runs eagerly (bench/RESULTS.md "Session 24"). So:
+        - drafts past the budget stay in the block, unjudged (_verify_spans);
+        - with graphs, every block is padded to the step's graph block length
+          (VerifyGraphs.padded_block_len) with copies of its anchor, unjudged too.
+        A block without room (context end, KV pool full) stays short: the step then runs
+        eagerly, as it did before."""
+        for rid, block, kv_len, _, judged in spans:
+            if not self._room(rid, kv_len + len(block)):
+                del block[1 + judged :]
+        if self.graphs is None:
             return
-        for rid, block, kv_len, *_ in spans:
-            if len(block) >= q_pad or kv_len + q_pad > self.max_context:
-                continue
-            try:
-                self.cache.reserve(rid, kv_len + q_pad)
-            except KVPoolFullError:
-                continue
-            block.extend([block[0]] * (q_pad - len(block)))
+        q_pad = self.graphs.padded_block_len([len(span[1]) for span in spans])
+        for rid, block, kv_len, *_ in spans if q_pad else ():
+            fits = len(block) < q_pad and kv_len + q_pad <= self.max_context
+            if fits and self._room(rid, kv_len + q_pad):
+                block.extend([block[0]] * (q_pad - len(block)))
+
+    def _room(self, request_id: str, length: int) -> bool:
+        """Reserve KV for `length` tokens if the pool has the pages; False if not."""
+        try:
+            self.cache.reserve(request_id, length)
+        except KVPoolFullError:
+            return False
+        return True
 
     def _verify_spans(self, spans, reports: dict[str, StepReport]) -> None:
         step = self._step_host([(rid, block, start) for rid, block, start, *_ in spans])
