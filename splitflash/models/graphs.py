@@ -5,17 +5,20 @@ the step costs more in launches than in the bytes it reads. A captured graph rep
 in one launch. Shapes are frozen at capture, so a step is padded to a graph's shape:
 
 - key = (padded batch B_pad, block length Q, KV bucket, feature layers). Every request of
-  the step must have the same block length Q (the steady state: B-1 drafts each, or 1 token
-  each when the drafter is down); mixed lengths run eagerly.
+  the step must have the same block length Q: TargetEngine pads the blocks of a step to
+  `padded_block_len` (unjudged anchor copies), so only a block without KV room for it
+  leaves a step of mixed lengths, which runs eagerly.
 - B real requests fill the first B rows; the B_pad - B padding requests are Q-token dummies
   whose K/V go to the cache's scratch pages (never handed out) and whose outputs are dropped.
 - The KV bucket (next power of two of the longest KV) fixes the page-table width and the
   attention kernel's split plan; a longer context moves to the next bucket and a new graph.
 
-Graphs are captured lazily on first use of a key (after an eager warm-up that compiles and
-autotunes every kernel outside the capture) and kept in an LRU of `max_graphs`; all share one
-memory pool. With capture=False (CPU, tests) the same padded static step runs eagerly:
-everything but the capture, so the padding is testable anywhere. Outputs are copied out of
+Graphs are captured lazily on first use of a key, after an eager warm-up that compiles every
+kernel (and autotunes where no measured config exists) outside the capture; the verify
+service captures batch-1 keys at start-up (services/verify/warmup.py). They are kept in an
+LRU of `max_graphs` and share one memory pool. With capture=False (CPU, tests) the same
+padded static step runs eagerly: everything but the capture, so the padding is testable
+anywhere. Outputs are copied out of
 the static buffers before returning, so a later replay never overwrites what a caller holds.
 """
 
