@@ -18,8 +18,8 @@ kernel (and autotunes where no measured config exists) outside the capture; the 
 service captures batch-1 keys at start-up (services/verify/warmup.py). They are kept in an
 LRU of `max_graphs` and share one memory pool. With capture=False (CPU, tests) the same
 padded static step runs eagerly: everything but the capture, so the padding is testable
-anywhere. Outputs are copied out of
-the static buffers before returning, so a later replay never overwrites what a caller holds.
+anywhere. Outputs are copied out of the static buffers before returning, so a later replay
+never overwrites what a caller holds.
 """
 
 from __future__ import annotations
