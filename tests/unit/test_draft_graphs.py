@@ -124,16 +124,21 @@ def test_custom_backend_is_never_pooled():
     assert len(counted) == 3  # the custom function ran per layer (per request)
 
 
+def open_prompts(*proposers) -> None:
+    """Open requests "a" and "b" in every proposer, with the same prompts and features."""
+    prompts = {"a": list(range(1, 12)), "b": list(range(20, 25))}
+    for prop in proposers:
+        for rid, ids in prompts.items():
+            prop.open(rid, ids)
+            prop.add_features(rid, 0, feats(len(ids) - 1, seed=len(ids)))
+
+
 def test_proposer_with_pool_and_graphs_proposes_what_eager_does():
     drafter = make()
     pool = DraftKVPool(drafter, slots=4, context=64)
     graphed = DFlashProposer(drafter, pool, DraftGraphs(drafter, pool, capture=False))
     plain = DFlashProposer(drafter)
-    prompts = {"a": list(range(1, 12)), "b": list(range(20, 25))}
-    for prop in (graphed, plain):
-        for rid, ids in prompts.items():
-            prop.open(rid, ids)
-            prop.add_features(rid, 0, feats(len(ids) - 1, seed=len(ids)))
+    open_prompts(graphed, plain)
     assert graphed.propose_batch(["a", "b"], 5) == plain.propose_batch(["a", "b"], 5)
     assert graphed.pop_forwards() == {"graph": 1, "eager": 0}
     assert graphed.pop_forwards() == {"graph": 0, "eager": 0}  # counts since the last pop

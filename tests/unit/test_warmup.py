@@ -18,7 +18,8 @@ from splitflash.services.draft.warmup import warm_up as warm_up_drafter
 from splitflash.services.verify.warmup import warm_up as warm_up_verify
 from tests.conftest import tiny_model
 from tests.unit.kernel_env import CUDA, INTERPRET
-from tests.unit.test_dflash_support import feats, make, shared
+from tests.unit.test_dflash_support import make, shared
+from tests.unit.test_draft_graphs import open_prompts
 from tests.unit.test_verify_graphs import _engine, _run
 
 
@@ -62,11 +63,7 @@ def test_draft_warm_up_leaves_no_trace():
     assert warmed.pop_forwards() == {"graph": 0, "eager": 0}
     assert warmed.pop_keys_read() == {}
     plain = DFlashProposer(drafter)
-    prompts = {"a": list(range(1, 12)), "b": list(range(20, 25))}
-    for prop in (warmed, plain):
-        for rid, ids in prompts.items():
-            prop.open(rid, ids)
-            prop.add_features(rid, 0, feats(len(ids) - 1, seed=len(ids)))
+    open_prompts(warmed, plain)
     assert warmed.propose_batch(["a", "b"], 5) == plain.propose_batch(["a", "b"], 5)
     assert warmed.pop_keys_read() == plain.pop_keys_read()
 

@@ -208,7 +208,9 @@ class TargetEngine:
         if self.graphs is None:
             return
         q_pad = self.graphs.padded_block_len([len(span[1]) for span in spans])
-        for rid, block, kv_len, *_ in spans if q_pad else ():
+        if q_pad is None:
+            return
+        for rid, block, kv_len, *_ in spans:
             fits = len(block) < q_pad and kv_len + q_pad <= self.max_context
             if fits and self._room(rid, kv_len + q_pad):
                 block.extend([block[0]] * (q_pad - len(block)))
