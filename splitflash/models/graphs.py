@@ -15,7 +15,8 @@ in one launch. Shapes are frozen at capture, so a step is padded to a graph's sh
 
 Graphs are captured lazily on first use of a key, after an eager warm-up that compiles every
 kernel (and autotunes where no measured config exists) outside the capture; the verify
-service captures batch-1 keys at start-up (services/verify/warmup.py). They are kept in an
+service captures batch-1 keys at start-up, and again for the feature layers a drafter asks
+for, between messages (services/verify/warmup.py). They are kept in an
 LRU of `max_graphs` and share one memory pool. With capture=False (CPU, tests) the same
 padded static step runs eagerly: everything but the capture, so the padding is testable
 anywhere. Outputs are copied out of the static buffers before returning, so a later replay

@@ -162,15 +162,20 @@ def serve_forever(
     responses: Codec[Any],
     on_error: OnError | None = None,
     poll_ms: int = 100,
+    on_idle: Callable[[], None] | None = None,
 ) -> None:
     """Serve a ROUTER socket until `stop_event` is set (checked every `poll_ms`).
 
-    Returns on stop or when the context is terminated; the socket stays the caller's.
+    `on_idle` runs after every `poll_ms` without a message: background work that must not
+    delay a message already waiting (keep each call short). Returns on stop or when the
+    context is terminated; the socket stays the caller's.
     """
     report: OnError = on_error or (lambda code: None)
     while not stop_event.is_set():
         try:
             if not sock.poll(poll_ms, zmq.POLLIN):
+                if on_idle is not None:
+                    on_idle()
                 continue
             frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

@@ -9,6 +9,8 @@ import pytest
 import zmq
 
 from splitflash.local import generate_local
+from splitflash.models.graphs import VerifyGraphs
+from splitflash.models.kv_cache import PagedKVCache
 from splitflash.protocol import (
     PROTOCOL_VERSION,
     Error,
@@ -38,6 +40,7 @@ from splitflash.protocol import (
 from splitflash.services.draft.config import DraftSettings
 from splitflash.services.draft.server import DraftServer
 from splitflash.services.verify.config import VerifySettings
+from splitflash.services.verify.engine import TargetEngine
 from splitflash.services.verify.server import VerifyServer
 from tests.conftest import tiny_engine, tiny_model
 from tests.integration.workers_harness import (
@@ -253,3 +256,28 @@ def test_batch_invariant_gauge_is_one_only_where_the_mode_is_in_force():
         assert value == 0.0
     v.metrics.set_batch_invariant(True)
     assert v.metrics.registry.get_sample_value("splitflash_verify_batch_invariant") == 1.0
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_a_gateways_new_feature_layers_are_warmed_up_between_messages(warmup):
+    """The start-up warm-up captured graphs without feature layers; a gateway Hello asking
+    for layers queues the warm-up again for them, run while no message waits. Its captures
+    are not counted as serving's, and a health check's Hello starts nothing."""
+    model = tiny_model()
+    cfg = model.cfg
+    cache = PagedKVCache(cfg.num_layers, 160, 4, cfg.num_kv_heads, cfg.head_dim, scratch_pages=16)
+    engine = TargetEngine(model, cache, graphs=VerifyGraphs(model, cache, (1, 2), capture=False))
+    settings = VerifySettings(bind=ANY_PORT, metrics_port=0, draft_addr="", warmup=warmup)
+    with running(VerifyServer(settings, engine=engine)) as v, client_for(v.endpoint, "verify") as c:
+        handshake(c, make_hello("probe", "p", [1]), timeout_s=CALL_S)
+        time.sleep(0.5)  # a few idle polls
+        assert engine.graphs.captures == 0 and engine.feature_layer_ids == ()
+        handshake(c, make_hello("gateway", "gw", [1]), timeout_s=CALL_S)
+        end = time.monotonic() + CALL_S  # queued before the reply; bounded wait for its end
+        while v._idle_warmup is not None and time.monotonic() < end:
+            time.sleep(0.05)
+        # 640 tokens of pool: context 300 at blocks 1, 8 and 16 (3000 and 20000 do not fit).
+        want = {(1, 1, 512, (1,)), (1, 8, 512, (1,)), (1, 16, 512, (1,))} if warmup else set()
+        assert set(engine.graphs._graphs) == want
+        captures = v.metrics.registry.get_sample_value("splitflash_verify_graph_captures_total")
+        assert captures == 0.0 and engine.cache.free_pages == 160

@@ -15,6 +15,8 @@ from splitflash.models.dflash.graphs import DraftGraphs
 from splitflash.models.dflash.pool import DraftKVPool
 from splitflash.services.draft.dflash_drafter import DFlashProposer
 from splitflash.services.draft.warmup import warm_up as warm_up_drafter
+from splitflash.services.verify.sampling import Sampling
+from splitflash.services.verify.warmup import IdleWarmUp
 from splitflash.services.verify.warmup import warm_up as warm_up_verify
 from tests.conftest import tiny_model
 from tests.unit.kernel_env import CUDA, INTERPRET
@@ -47,6 +49,41 @@ def test_verify_warm_up_skips_what_the_pool_cannot_hold():
     room = engine.cache.free_pages * engine.cache.page_size
     warm_up_verify(engine, contexts=(5, room), q_lens=(1,))  # room + 1 does not fit
     assert engine.cache.free_pages * engine.cache.page_size == room and not engine.seqs
+
+
+def test_idle_warm_up_captures_the_new_layers_a_shape_a_call_around_open_requests():
+    """What the server runs between messages after a Hello switched the feature layers: one
+    shape per call, graphs keyed by the new layers, nothing counted as serving, an open
+    request's pages untouched, and shapes the pool cannot hold now left out."""
+    model = tiny_model()
+    engine, plain = _engine(model, graphs=True), _engine(model, graphs=True)
+    prompts, blocks = [[3, 1, 4, 1, 5]], [4, 1]
+    want = _run(plain, prompts, blocks, seed=3)
+    engine.prefill("open", [2, 7, 1, 8], Sampling(), frozenset(), 16)
+    free = engine.cache.free_pages
+    room = free * engine.cache.page_size  # what the throwaway request may take now
+    assert 300 < room <= 512
+    engine.feature_layer_ids = (1,)
+    warm = IdleWarmUp(engine, contexts=(5, 300, room - 1), q_lens=(1, 4))
+    for n in range(1, 5):  # one shape a call; the first four are four keys
+        warm.run_one()
+        assert engine.graphs.captures == n and engine.cache.free_pages == free
+    warm.run_one()  # (room - 1, 1) replays (300, 1)'s key
+    assert not warm.done
+    warm.run_one()  # (room - 1, 4) does not fit: dropped
+    assert warm.done and engine.graphs.captures == 4 and engine.graphs.replays == 5
+    assert engine.graphs.pop_capture_stats() == (0, 0.0)  # not counted as serving
+    assert {key[1:] for key in engine.graphs._graphs} == {
+        (1, 256, (1,)), (4, 256, (1,)), (1, 512, (1,)), (4, 512, (1,)),
+    }  # fmt: skip
+    assert list(engine.seqs) == ["open"] and engine.cache.seq("open").length == 4
+    switched = IdleWarmUp(engine, contexts=(5,), q_lens=(1,))
+    engine.feature_layer_ids = (0, 2)  # switched again before it ran: nothing to warm
+    switched.run_one()
+    assert switched.done and engine.graphs.captures == 4
+    engine.release("open")
+    got = _run(engine, prompts, blocks, seed=3)
+    assert [r[:2] for r in got] == [r[:2] for r in want]
 
 
 def test_draft_warm_up_leaves_no_trace():

@@ -3,7 +3,8 @@
 One thread owns the socket, the engine and the data-plane link. Per message:
 - Hello from service "gateway": `wants_target_layers` sets which target layers the engine
   captures (refused while requests are open with other layers: their feature streams would
-  change shape mid-way). Other Hellos (health checks) change nothing.
+  change shape mid-way), and queues the warm-up of graphs for those layers, run one step at
+  a time while no message waits (warmup.py). Other Hellos (health checks) change nothing.
 - Prefill: one engine.prefill per item; Verify: ONE batched engine.verify for the batch.
   Per-item failures (deadline, desync, unknown request, prompt too long, KV pool full) are
   `StepResult.error`; the other items and the loop go on.
@@ -52,6 +53,7 @@ from splitflash.services.verify.steps import (
     step_result,
     verify_precheck,
 )
+from splitflash.services.verify.warmup import IdleWarmUp
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class VerifyServer:
             self._ctx, settings, self.peer_id, link_curve, self.metrics.count_error
         )
         self._feature_peers: dict[str, DraftLink] = {}  # request -> its data-plane link
+        self._idle_warmup: IdleWarmUp | None = None  # for feature layers a Hello asked for
         self._http = None
         self._weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         self._update_kv_gauges()
@@ -131,6 +134,7 @@ class VerifyServer:
                 requests=VERIFY_REQUESTS,
                 responses=VERIFY_RESPONSES,
                 on_error=self.metrics.count_error,
+                on_idle=self._on_idle,
             )
         finally:
             self.close()
@@ -201,7 +205,22 @@ class VerifyServer:
                 )
             log.info("capturing target layers %s for %s", list(layers), msg.peer_id)
             self.engine.feature_layer_ids = layers
+            if self.settings.warmup and getattr(self.engine, "graphs", None) is not None:
+                self._idle_warmup = IdleWarmUp(self.engine)  # graphs of these layers
         return answer_hello(msg, service="verify", model=self.model_name, info=self.describe())
+
+    def _on_idle(self) -> None:
+        """Between messages: one shape of the warm-up for newly asked feature layers."""
+        warm = self._idle_warmup
+        if warm is None:
+            return
+        try:
+            warm.run_one()
+        except Exception:  # serving goes on without it: steps capture graphs on demand
+            log.exception("verify warm-up for feature layers %s failed", list(warm.layers))
+            warm.pending.clear()
+        if warm.done:
+            self._idle_warmup = None
 
     # --- prefill --------------------------------------------------------------------
     def _prefill(self, msg: Prefill, t0: float) -> PrefillReply:

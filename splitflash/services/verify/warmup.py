@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 # keys a split, up to ~2 programs per SM, 88 splits for the default model on 132 SMs): the
 # kernels specialise on a single split, and the split combine on the split count's power of
 # two. Without the third, the first step past ~11k keys compiled the combine: 263 ms on the
-# H200 (bench/RESULTS.md "Session 24"). Block lengths: decode, a block cut short and a full
-# DFlash block (16); Triton specialises integer arguments on == 1 and divisibility by 16.
+# H200 (bench/RESULTS.md "Session 24"). Block lengths: decode, a short block and a full
+# DFlash block (16). Triton specialises integer arguments on == 1 and divisibility by 16, so
+# any length in 2..15 compiles the short-block kernels; 8 is one a graphed step has (blocks
+# are padded to a power of two: VerifyGraphs.padded_block_len), so its graph is used too.
 WARM_CONTEXTS = (300, 3000, 20000)
-WARM_Q_LENS = (1, 7, 16)
+WARM_Q_LENS = (1, 8, 16)
 
 
 def warm_up(
@@ -43,8 +45,68 @@ def warm_up(
     Contexts the engine or its KV pool cannot hold are left out. The engine's requests and
     KV pool are as they were afterwards."""
     t0 = time.perf_counter()
-    room = min(engine.max_context, engine.cache.free_pages * engine.cache.page_size)
-    shapes = [(c, q) for c in contexts for q in q_lens if c + q <= room]
+    shapes = [(c, q) for c in contexts for q in q_lens if c + q <= _room(engine)]
+    _run_shapes(engine, shapes, t0)
+    if engine.graphs is not None:
+        n, seconds = engine.graphs.pop_capture_stats()
+        log.info("warm-up captured %d verify graphs in %.1f s", n, seconds)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - t0
+
+
+class IdleWarmUp:
+    """The warm-up again for feature layers a drafter asked for after start-up, one shape
+    per call, called by the server only while no message waits. The start-up warm-up
+    captured graphs without feature layers; a DFlash drafter's layers are part of every
+    graph key, so without this each of its first steps at a new key captured one (about
+    50 ms on the H200, bench/RESULTS.md "Session 24"), inside a client's request. Run in one
+    go inside the Hello, the same ~0.5 s would have delayed the gateway's handshake; a shape
+    at a time, a message that arrives meanwhile waits for one step at most. Requests may be
+    open: the throwaway request takes pages only where the pool has them free."""
+
+    def __init__(
+        self,
+        engine: TargetEngine,
+        contexts: tuple[int, ...] = WARM_CONTEXTS,
+        q_lens: tuple[int, ...] = WARM_Q_LENS,
+    ) -> None:
+        self.engine = engine
+        self.layers = engine.feature_layer_ids  # what the graphs are captured for
+        self.pending = [(c, q) for c in contexts for q in q_lens]
+        self.seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def run_one(self) -> None:
+        """The next shape that fits the pool now (shapes that do not are dropped); the
+        captures it makes are logged, not counted as serving."""
+        if self.engine.feature_layer_ids != self.layers:  # switched again: these are stale
+            self.pending.clear()
+        while self.pending:
+            ctx, q = self.pending.pop(0)
+            if ctx + q <= _room(self.engine):
+                t0 = time.perf_counter()
+                _run_shapes(self.engine, [(ctx, q)], t0)
+                self.seconds += time.perf_counter() - t0
+                break
+        if self.engine.graphs is not None:
+            self.engine.graphs.pop_capture_stats()
+        if self.done:
+            log.info("verify warm-up for feature layers %s done (%.1f s)", list(self.layers),
+                     self.seconds)  # fmt: skip
+
+
+def _room(engine: TargetEngine) -> int:
+    """Tokens one more request can hold now."""
+    return min(engine.max_context, engine.cache.free_pages * engine.cache.page_size)
+
+
+def _run_shapes(engine: TargetEngine, shapes: list[tuple[int, int]], t0: float) -> None:
+    """One step per (context, q_len) of a throwaway request, through the engine's own step
+    path (graph or eager) with its feature layers; the request is freed afterwards."""
     rid = f"warmup-{uuid.uuid4().hex}"  # never a client's id: the gateway names requests
     engine.cache.add(rid)
     try:
@@ -61,9 +123,3 @@ def warm_up(
                          time.perf_counter() - t0)  # fmt: skip
     finally:
         engine.cache.free(rid)
-    if engine.graphs is not None:
-        n, seconds = engine.graphs.pop_capture_stats()
-        log.info("warm-up captured %d verify graphs in %.1f s", n, seconds)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    return time.perf_counter() - t0
