@@ -167,8 +167,10 @@ class VerifyGraphs(CaptureStats):
         buf.copy_(host, non_blocking=True)
 
     def _capture(self, key: tuple, step: StepHost) -> _Captured:
-        while len(self._graphs) >= self.max_graphs:
-            self._graphs.popitem(last=False)
+        while len(self._graphs) >= self.max_graphs:  # a dropped key captures again if met
+            dropped, _ = self._graphs.popitem(last=False)
+            log.info("dropped verify graph %s: %d held (graph_max_held)", dropped[:3],
+                     self.max_graphs)  # fmt: skip
         shape, layer_ids = key[:3], key[3]
         b_pad, q, bucket = shape
         width = self.cache.pages_for(bucket)

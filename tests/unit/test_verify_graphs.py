@@ -6,6 +6,7 @@ pages as on CUDA, only not captured. The `gpu` test captures real CUDA graphs.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 
 from splitflash.models.graphs import VerifyGraphs
 from splitflash.models.kv_cache import PagedKVCache
+from splitflash.services.draft.config import DraftSettings
+from splitflash.services.verify.config import VerifySettings
 from splitflash.services.verify.engine import TargetEngine, VerifyInput
 from splitflash.services.verify.sampling import Sampling
 from tests.conftest import tiny_model
@@ -105,6 +108,23 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch, caplog):
     _same(want, got, atol=0.0)  # eager steps, the same as the plain engine
     assert engine.graphs.failed and engine.graphs.replays == 0
     assert "CUDA graph capture failed" in caplog.text
+
+
+def test_the_lru_keeps_max_graphs_and_a_dropped_key_captures_again(caplog):
+    """graph_max_held: the least recently used graph goes; a step of its key then captures
+    a new one, and every step's output is still the eager step's."""
+    model = tiny_model()
+    prompts, blocks = [[3, 1, 4, 1, 5]], [4, 1, 2, 4, 2]
+    want = _run(_engine(model, graphs=False), prompts, blocks, seed=4)
+    engine = _engine(model, graphs=True)
+    engine.graphs.max_graphs = 2
+    with caplog.at_level(logging.INFO, "splitflash.graphs"):
+        got = _run(engine, prompts, blocks, seed=4)
+    _same(want, got, atol=1e-5)
+    # Q 4, 1, 2 capture (4 dropped), 4 again (1 dropped), then 2 replays.
+    assert engine.graphs.captures == 4 and engine.graphs.replays == 5
+    assert [key[1] for key in engine.graphs._graphs] == [4, 2]
+    assert caplog.text.count("dropped verify graph") == 2
 
 
 def test_graphs_need_scratch_pages():
@@ -214,3 +234,10 @@ def test_drafts_past_a_budget_never_take_the_room_of_another_requests_judged_blo
     reports = engine.verify([VerifyInput("a", 6, [7] * 15, 2), VerifyInput("b", 6, [7] * 3, 99)])
     assert [r.error for r in reports] == [None, None]
     assert reports[0].outcome.commit_len <= 2
+
+
+def test_graph_max_held_must_be_positive():
+    with pytest.raises(ValueError, match="graph_max_held"):
+        VerifySettings(graph_max_held=0)
+    with pytest.raises(ValueError, match="graph_max_held"):
+        DraftSettings(graph_max_held=0)

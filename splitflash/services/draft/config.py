@@ -28,6 +28,10 @@ class DraftSettings:
     cuda_graphs: bool = True
     pool_slots: int = 64  # requests held in the pool; more run unpooled and eagerly
     pool_context: int = 0  # rows per full draft layer; 0 = the target's context length
+    # Draft graphs kept (least recently used dropped): keys are (padded batch, block length,
+    # context power of two); a draft_graph_captures counter that keeps growing under steady
+    # traffic says to raise it.
+    graph_max_held: int = 24
     # DFlash on CUDA: before serving, a throwaway request's drafts compile the kernels and
     # capture batch-1 graphs (warmup.py), so the first client request does not pay ~1 s.
     warmup: bool = True
@@ -55,5 +59,7 @@ class DraftSettings:
             raise ValueError("ngram n-gram range must satisfy 1 <= min_n <= max_n")
         if self.pool_slots < 0 or self.pool_context < 0:
             raise ValueError("pool_slots and pool_context must be >= 0 (0 = no pool / default)")
+        if self.graph_max_held < 1:
+            raise ValueError(f"graph_max_held must be >= 1, got {self.graph_max_held}")
         if self.max_batch < 1 or not 0 <= self.metrics_port < 65536:
             raise ValueError("max_batch must be >= 1 and metrics_port in 0..65535")

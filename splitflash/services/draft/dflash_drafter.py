@@ -279,6 +279,7 @@ def load_proposer(
     pool_slots: int = 0,
     pool_context: int = 0,
     cuda_graphs: bool = False,
+    graph_max_held: int = 24,
 ) -> DFlashProposer:
     """pool_slots > 0: a DraftKVPool of that many requests x pool_context rows per full layer;
     cuda_graphs: capture the draft step over it (CUDA only)."""
@@ -299,7 +300,7 @@ def load_proposer(
         logger.info("draft KV pool: %d requests x %d context rows (%.1f MB)", pool_slots,
                     pool_context, pool.nbytes() / 1e6)  # fmt: skip
     if cuda_graphs and pool is not None and torch.device(device).type == "cuda":
-        graphs = DraftGraphs(drafter, pool)
+        graphs = DraftGraphs(drafter, pool, max_graphs=graph_max_held)
         logger.info("draft step CUDA graphs: on (batch sizes %s)", graphs.batch_sizes)
     return DFlashProposer(drafter, pool, graphs)
 
@@ -312,6 +313,7 @@ def build_dflash_drafter(
     pool_slots: int = 0,
     pool_context: int = 0,
     cuda_graphs: bool = False,
+    graph_max_held: int = 24,
     warmup: bool = False,
 ):
     """The draft service's factory: loads only the target's embedding and LM head. On CUDA
@@ -336,7 +338,7 @@ def build_dflash_drafter(
         ckpt, embed, head, tcfg.num_layers, device, dtype, window_override,
         pool_slots=pool_slots if on_cuda else 0,
         pool_context=pool_context or tcfg.max_position_embeddings,
-        cuda_graphs=cuda_graphs,
+        cuda_graphs=cuda_graphs, graph_max_held=graph_max_held,
     )  # fmt: skip
     if warmup and on_cuda:
         from splitflash.services.draft.warmup import warm_up  # it imports this module

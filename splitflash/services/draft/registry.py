@@ -137,6 +137,7 @@ def build_drafter(settings: DraftSettings) -> Drafter:
         pool_slots=settings.pool_slots,
         pool_context=settings.pool_context,
         cuda_graphs=settings.cuda_graphs,
+        graph_max_held=settings.graph_max_held,
         warmup=settings.warmup,
     )
 

@@ -24,6 +24,11 @@ class VerifySettings:
     # up to graph_max_batch (padded up to the next one); bigger or mixed-length steps run eagerly.
     cuda_graphs: bool = True
     graph_max_batch: int = 32
+    # Graphs kept (least recently used dropped). A key is (padded batch, block length, KV
+    # power of two, feature layers), so varied traffic can meet more keys than this; every
+    # capture stalls its step ~50 ms: a verify_graph_captures counter that keeps growing under
+    # steady traffic says to raise it. Each graph holds its static logits ([B_pad * Q, vocab]).
+    graph_max_held: int = 48
     # CUDA only: before serving, one throwaway request's steps compile the kernels and
     # capture batch-1 graphs (warmup.py), so the first client request does not pay ~1 s.
     warmup: bool = True
@@ -64,6 +69,7 @@ class VerifySettings:
             "max_batch",
             "features_chunk_rows",
             "graph_max_batch",
+            "graph_max_held",
             "tp_size",
         ):
             if getattr(self, name) < 1:

@@ -48,7 +48,11 @@ def load_engine(settings: VerifySettings) -> TargetEngine:
         device=settings.device,
         scratch_pages=-(-MAX_TREE_Q // settings.page_size) if graphs_on else 0,
     )
-    graphs = VerifyGraphs(model, cache, settings.graph_batch_sizes) if graphs_on else None
+    graphs = (
+        VerifyGraphs(model, cache, settings.graph_batch_sizes, settings.graph_max_held)
+        if graphs_on
+        else None
+    )
     log.info(
         "verify steps: %s",
         f"CUDA graphs at batch sizes {settings.graph_batch_sizes}" if graphs else "eager",
