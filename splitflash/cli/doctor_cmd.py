@@ -65,12 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-metrics",
         default=None,
-        help="draft service /metrics URL: adds policy mismatch and keys read",
+        help="draft service /metrics URL: adds policy mismatch, keys read and whether draft "
+        "steps ran as CUDA graphs",
     )
     p.add_argument(
         "--verify-metrics",
         default=None,
-        help="verify service /metrics URL: adds bytes read per step",
+        help="verify service /metrics URL: adds bytes read per step and whether verify steps "
+        "ran as CUDA graphs",
     )
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="save JSON here")
     p.add_argument("--plot", type=Path, default=None, help="save a PNG plot here")

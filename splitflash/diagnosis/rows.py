@@ -125,4 +125,24 @@ def worker_figures(
         read = delta(after, before, "splitflash_verify_kv_bytes_read_total")
         if read > 0:
             out["bytes_per_step"] = read / steps
+    for svc, scrapes in (("verify", verify), ("draft", draft)):
+        if scrapes is not None:
+            out.update(_graph_figures(svc, *scrapes))
     return out
+
+
+def _graph_figures(svc: str, before: Samples, after: Samples) -> dict:
+    """How `svc`'s forwards ran (graph_rules.py): the eager share, captures made and the
+    seconds they stalled steps, and the capture-failed gauge. {} for a service without
+    forwards counted (n-gram drafter, no step in between)."""
+    prefix = f"splitflash_{svc}"
+    forwards = delta(after, before, f"{prefix}_forwards_total")
+    if forwards <= 0:
+        return {}
+    eager = delta(after, before, f"{prefix}_forwards_total", mode="eager")
+    return {
+        f"{svc}_eager_fraction": eager / forwards,
+        f"{svc}_graph_captures": delta(after, before, f"{prefix}_graph_captures_total"),
+        f"{svc}_capture_ms": 1e3 * delta(after, before, f"{prefix}_graph_capture_seconds_total"),
+        f"{svc}_graph_failed": total(after, f"{prefix}_graph_capture_failed"),
+    }

@@ -11,7 +11,8 @@ one or more greedy requests; DESIGN.md §4 terms):
   paused_fraction (steps the gateway's speculation gate ran without drafts),
   drafting_commit_len / drafting_drafted (c and K per step over the steps with K > 0),
   trace_totals / reported ({steps, draft_tokens, accepted_drafts}: summed over the trace
-  vs the response's speculative_decoding_stats).
+  vs the response's speculative_decoding_stats), and how the worker steps ran
+  ({verify,draft}_eager_fraction, _graph_captures, _capture_ms, _graph_failed: graph_rules.py).
 Missing keys mean "not measured": a rule that needs them says nothing.
 Each rule returns at most one Finding, naming the evidence and the likely cause.
 """
@@ -27,6 +28,7 @@ from splitflash.diagnosis.context_rules import (
     window_not_applied,
 )
 from splitflash.diagnosis.findings import Finding, PolicyInfo
+from splitflash.diagnosis.graph_rules import graph_capture_failed, steps_not_graphed
 from splitflash.diagnosis.judging import Row, ctx
 from splitflash.diagnosis.step_rules import (
     commit_len_stuck,
@@ -49,6 +51,8 @@ RULES: tuple[Callable[[Sequence[Row], PolicyInfo], Finding | None], ...] = (
     acceptance_falls,
     drafter_silent,
     speculation_paused,
+    graph_capture_failed,
+    steps_not_graphed,
 )
 
 

@@ -267,3 +267,55 @@ def test_summarise_keeps_the_drafting_steps_apart():
     assert r["drafting_drafted"] == pytest.approx(5.0)
     assert r["mean_commit_len"] == pytest.approx(2.0) and r["no_draft_fraction"] == 0.5
     assert "drafting_commit_len" not in summarise([dict(reqs[0], trace=[step(1, 0, 0)])])
+
+
+# ---- how the worker steps ran --------------------------------------------------------------
+def graphed(context, verify_eager=0.0, draft_eager=0.0, **kw):
+    figures = dict(verify_eager_fraction=verify_eager, draft_eager_fraction=draft_eager,
+                   verify_graph_failed=0.0, draft_graph_failed=0.0)  # fmt: skip
+    return row(context, **{**figures, **kw})
+
+
+def test_eager_steps_at_one_context_of_a_graphed_deployment_are_named():
+    rows = [graphed(1000), graphed(8000, draft_eager=0.95), graphed(64000, draft_eager=1.0)]
+    found = by_code(diagnose(rows), "steps_not_graphed")
+    assert codes(diagnose(rows)) == ["steps_not_graphed"]
+    assert "draft ran its forwards eagerly (95% at 8k, 100% at 64k)" in found.message
+    assert "pool_context" in found.message  # the draft's own likely causes
+    rows = [graphed(1000, verify_eager=0.75), graphed(8000)]
+    assert "verify ran its forwards eagerly (75% at 1k)" in diagnose(rows)[0].message
+    # a few eager steps (a prompt outside the pool, a batch past the largest graph): fine
+    assert diagnose([graphed(1000), graphed(8000, verify_eager=0.5)]) == []
+
+
+def test_all_eager_everywhere_is_a_cpu_deployment_not_a_finding():
+    assert diagnose([graphed(c, verify_eager=1.0, draft_eager=1.0) for c in (500, 4000)]) == []
+
+
+def test_a_failed_capture_is_named_from_its_gauge():
+    rows = [graphed(1000), graphed(8000, draft_graph_failed=1.0, draft_eager=0.3)]
+    found = diagnose(rows)
+    assert codes(found) == ["graph_capture_failed"]
+    assert "in draft (splitflash_draft_graph_capture_failed = 1)" in found[0].message
+
+
+def test_graph_figures_from_scrape_deltas():
+    def scrape(graph, eager, captures, seconds, failed):
+        name = "splitflash_verify_forwards_total"
+        return parse_metrics(
+            f"# TYPE {name} counter\n"
+            f'{name}{{mode="graph"}} {graph}\n{name}{{mode="eager"}} {eager}\n'
+            "# TYPE splitflash_verify_graph_captures_total counter\n"
+            f"splitflash_verify_graph_captures_total {captures}\n"
+            "# TYPE splitflash_verify_graph_capture_seconds_total counter\n"
+            f"splitflash_verify_graph_capture_seconds_total {seconds}\n"
+            "# TYPE splitflash_verify_graph_capture_failed gauge\n"
+            f"splitflash_verify_graph_capture_failed {failed}\n"
+        )  # fmt: skip
+
+    before, after = scrape(10, 5, 3, 0.5, 0), scrape(37, 8, 5, 0.6, 1)
+    got = worker_figures(None, (before, after), steps=30)
+    want = {"verify_eager_fraction": 0.1, "verify_graph_captures": 2.0,
+            "verify_capture_ms": 100.0, "verify_graph_failed": 1.0}  # fmt: skip
+    assert got == pytest.approx(want)
+    assert worker_figures(None, (before, before), steps=30) == {}  # no forward: not measured
