@@ -205,6 +205,10 @@ def test_doctor_finds_nothing_on_the_healthy_ngram_deployment(deployment):
     assert report.policy.drafter == "ngram"
     assert report.findings == [], [f.message for f in report.findings]
     assert [r["steps"] >= 3 for r in report.rows] == [True, True], report.rows  # judged
+    # CPU: every verify forward eager, and judged as such (no graphs anywhere: no finding);
+    # an n-gram drafter counts no forwards at all.
+    assert [r["verify_eager_fraction"] for r in report.rows] == [1.0, 1.0], report.rows
+    assert not any("draft_eager_fraction" in r for r in report.rows)
 
 
 # ---- 3. DFlash with its sliding window turned off ----------------------------------------
