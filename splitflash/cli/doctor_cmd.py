@@ -31,6 +31,8 @@ COLUMNS = (  # (row key, header, format)
     ("draft_ms", "draft ms", "{:.2f}"),
     ("verify_ms", "verify ms", "{:.2f}"),
     ("transport_ms", "transport ms", "{:.2f}"),
+    ("verify_eager_fraction", "verify eager", "{:.0%}"),  # with --verify-metrics
+    ("draft_eager_fraction", "draft eager", "{:.0%}"),  # with --draft-metrics, DFlash
 )
 
 
@@ -83,7 +85,7 @@ def print_report(report: DoctorReport, console: Console) -> None:
     for _, header, _ in COLUMNS:
         table.add_column(header, justify="right")
     for row in report.rows:
-        table.add_row(*(fmt.format(row.get(key, float("nan"))) for key, _, fmt in COLUMNS))
+        table.add_row(*(fmt.format(row[key]) if key in row else "-" for key, _, fmt in COLUMNS))
     console.print(table)
     p = report.policy
     console.print(

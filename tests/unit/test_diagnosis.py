@@ -319,3 +319,17 @@ def test_graph_figures_from_scrape_deltas():
             "verify_capture_ms": 100.0, "verify_graph_failed": 1.0}  # fmt: skip
     assert got == pytest.approx(want)
     assert worker_figures(None, (before, before), steps=30) == {}  # no forward: not measured
+
+
+def test_the_table_shows_eager_shares_where_measured_and_a_dash_where_not():
+    from rich.console import Console
+
+    from splitflash.diagnosis.doctor import DoctorReport
+
+    rows = [graphed(1000, verify_eager=0.25), row(8000)]
+    rows[0].pop("draft_eager_fraction")
+    console = Console(record=True, width=250)
+    doctor_cmd.print_report(DoctorReport("u", "m", PolicyInfo(), rows=rows), console)
+    lines = [ln for ln in console.export_text().splitlines() if "1000" in ln or "8000" in ln]
+    cells = [[c.strip() for c in ln.strip("│ ").split("│")] for ln in lines]
+    assert cells[0][-2:] == ["25%", "-"] and cells[1][-2:] == ["-", "-"]
