@@ -204,24 +204,28 @@ SERVICES = [
           "block lengths, batches past the largest graph, or graphs off/failed). A GPU "
           "deployment should be nearly all graph; capture_failed = 1 means it fell back. "
           "captures = CUDA graphs captured while serving, capture s/s = the share of time "
-          "those stalls took; steady traffic should stop adding them. batch_invariant = 1: "
-          "steps computed bit for bit as target-only decoding would (exact greedy in bf16, "
-          "slower); 0: fast kernels.",
+          "those stalls took; steady traffic should stop adding them. evictions = graphs "
+          "dropped from a full LRU: under steady traffic, raise GRAPH_MAX_HELD. "
+          "batch_invariant = 1: steps computed bit for bit as target-only decoding would "
+          "(exact greedy in bf16, slower); 0: fast kernels.",
           (rate("splitflash_verify_forwards_total", "mode"), "{{mode}}"),
           ("max(splitflash_verify_graph_capture_failed)", "capture_failed"),
           ("max(splitflash_verify_batch_invariant)", "batch_invariant"),
           ("sum(rate(splitflash_verify_graph_captures_total[5m]))", "captures"),
           ("sum(rate(splitflash_verify_graph_capture_seconds_total[5m]))", "capture s/s"),
+          ("sum(rate(splitflash_verify_graph_evictions_total[5m]))", "evictions"),
           unit="ops"),
     panel("Draft forwards by mode",
           "DFlash only. graph = a replayed CUDA graph over the draft KV pool; eager = kernels "
           "launched one by one (CPU, requests outside the pool, batches past the largest "
           "graph, or graphs off/failed). capture_failed = 1 means it fell back. captures, "
-          "capture s/s: graphs captured while serving and the share of time they stalled.",
+          "capture s/s: graphs captured while serving and the share of time they stalled; "
+          "evictions: graphs dropped from a full LRU (raise GRAPH_MAX_HELD if steady).",
           (rate("splitflash_draft_forwards_total", "mode"), "{{mode}}"),
           ("max(splitflash_draft_graph_capture_failed)", "capture_failed"),
           ("sum(rate(splitflash_draft_graph_captures_total[5m]))", "captures"),
           ("sum(rate(splitflash_draft_graph_capture_seconds_total[5m]))", "capture s/s"),
+          ("sum(rate(splitflash_draft_graph_evictions_total[5m]))", "evictions"),
           unit="ops"),
     panel("Targets up", "", ('up{job=~"splitflash-.*"}', "{{job}} {{instance}}"), max=1),
 ]  # fmt: skip

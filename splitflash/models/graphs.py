@@ -46,12 +46,15 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 class CaptureStats:
     """Captures made while serving and the seconds they took: each stalls the step that
-    needed it (warm-up forwards, autotuning, capture). Services export the deltas."""
+    needed it (warm-up forwards, autotuning, capture); and graphs dropped from the LRU, each
+    a capture again when its key comes back. Services export the deltas."""
 
     def __init__(self) -> None:
         self.captures = 0
         self.capture_seconds = 0.0
         self._popped = (0, 0.0)
+        self.evictions = 0
+        self._evictions_popped = 0
 
     def timed_capture(self, capture, *args):
         t0 = time.perf_counter()
@@ -65,6 +68,18 @@ class CaptureStats:
         n, sec = self.captures - self._popped[0], self.capture_seconds - self._popped[1]
         self._popped = (self.captures, self.capture_seconds)
         return n, sec
+
+    def make_room(self, held: OrderedDict, limit: int, what: str) -> None:
+        """Drop the least recently used graphs of `held` until one more fits in `limit`."""
+        while len(held) >= limit:
+            dropped, _ = held.popitem(last=False)
+            self.evictions += 1
+            log.info("dropped %s graph %s: %d held (graph_max_held)", what, dropped, limit)
+
+    def pop_evictions(self) -> int:
+        """Graphs dropped since the last call."""
+        n, self._evictions_popped = self.evictions - self._evictions_popped, self.evictions
+        return n
 
 
 @dataclass
@@ -167,10 +182,7 @@ class VerifyGraphs(CaptureStats):
         buf.copy_(host, non_blocking=True)
 
     def _capture(self, key: tuple, step: StepHost) -> _Captured:
-        while len(self._graphs) >= self.max_graphs:  # a dropped key captures again if met
-            dropped, _ = self._graphs.popitem(last=False)
-            log.info("dropped verify graph %s: %d held (graph_max_held)", dropped[:3],
-                     self.max_graphs)  # fmt: skip
+        self.make_room(self._graphs, self.max_graphs, "verify")
         shape, layer_ids = key[:3], key[3]
         b_pad, q, bucket = shape
         width = self.cache.pages_for(bucket)

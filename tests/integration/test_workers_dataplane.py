@@ -212,3 +212,4 @@ def test_dflash_drafter_over_services_is_lossless_and_batched():
     assert forwards["graph"] == 0 and forwards["eager"] > 0  # CPU: no graphs, and it says so
     assert d.registry.get_sample_value("splitflash_draft_graph_capture_failed") == 0
     assert d.registry.get_sample_value("splitflash_draft_graph_captures_total") == 0
+    assert d.registry.get_sample_value("splitflash_draft_graph_evictions_total") == 0

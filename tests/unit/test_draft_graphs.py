@@ -82,6 +82,23 @@ def test_graph_steps_equal_eager_steps_with_padding():
                                    rtol=0, atol=0)  # fmt: skip
 
 
+def test_a_full_lru_drops_the_oldest_graph_and_its_key_captures_again():
+    drafter = make()
+    pool = DraftKVPool(drafter, slots=8, context=128)
+    graphs = DraftGraphs(drafter, pool, batch_sizes=(1, 2, 4), max_graphs=1, capture=False)
+    eager, pooled = twin_states(drafter, pool, 3)
+    lengths = [2, W, 3 * W + 1]
+    grow(drafter, eager, lengths, [0] * 3)
+    grow(drafter, pooled, lengths, [0] * 3)
+    for n_req in (3, 1, 3):  # keys (4, 6, 128), (1, 6, 128), (4, 6, 128) again
+        anchors = [5, 9, 21][:n_req]
+        want = drafter.draft_batch(eager[:n_req], anchors, lengths[:n_req], 6)
+        got = graphs.run(pooled[:n_req], anchors, lengths[:n_req], 6)
+        torch.testing.assert_close(got, want, **TOL)
+    assert graphs.captures == 3 and graphs.pop_evictions() == 2 and graphs.pop_evictions() == 0
+    assert set(graphs._graphs) == {(4, 6, 128)}
+
+
 def test_unpooled_states_and_big_batches_fall_back_to_eager():
     drafter = make()
     pool = DraftKVPool(drafter, slots=2, context=16)

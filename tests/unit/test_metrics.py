@@ -219,10 +219,14 @@ def test_verify_exports_graph_captures_as_deltas() -> None:
     vm.count_forward("graph", graphs)
     vm.count_forward("graph", graphs)  # nothing new: nothing added
     graphs.captures, graphs.capture_seconds, graphs.failed = 3, 2.0, True
+    graphs.evictions = 1
     vm.count_forward("eager", graphs)
+    vm.count_forward("eager", graphs)  # popped: counted once
+    assert value("verify_graph_evictions_total") == 1
     assert value("verify_graph_captures_total") == 3
     assert value("verify_graph_capture_seconds_total") == pytest.approx(2.0)
     assert value("verify_forwards_total", mode="graph") == 2
+    assert value("verify_forwards_total", mode="eager") == 2
     assert value("verify_graph_capture_failed") == 1
     vm.count_forward("eager", None)  # CPU: no graphs at all
     assert value("verify_graph_capture_failed") == 0

@@ -125,6 +125,7 @@ def test_the_lru_keeps_max_graphs_and_a_dropped_key_captures_again(caplog):
     assert engine.graphs.captures == 4 and engine.graphs.replays == 5
     assert [key[1] for key in engine.graphs._graphs] == [4, 2]
     assert caplog.text.count("dropped verify graph") == 2
+    assert engine.graphs.pop_evictions() == 2 and engine.graphs.pop_evictions() == 0
 
 
 def test_graphs_need_scratch_pages():

@@ -183,10 +183,7 @@ class DraftGraphs(CaptureStats):
             entry.app_feats.index_copy_(0, dest, step.app_feats.to(entry.app_feats.dtype))
 
     def _capture(self, key, step: StepInputs) -> _Captured:
-        while len(self._graphs) >= self.max_graphs:  # a dropped key captures again if met
-            dropped, _ = self._graphs.popitem(last=False)
-            log.info("dropped draft graph %s: %d held (graph_max_held)", dropped,
-                     self.max_graphs)  # fmt: skip
+        self.make_room(self._graphs, self.max_graphs, "draft")
         n_pad, t, bucket = key
         dev, cfg = self.device, self.drafter.config
         rows, n_layers = cfg.block_size, len(self.pool.k)

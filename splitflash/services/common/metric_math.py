@@ -190,6 +190,11 @@ METRICS = MappingProxyType(
             "counter", "Seconds draft steps spent capturing CUDA graphs (the stalls counted "
             "by draft_graph_captures)."
         ),
+        "draft_graph_evictions": _d(
+            "counter", "Draft CUDA graphs dropped from the LRU (graph_max_held) to make room "
+            "for a new key; the key captures again when met. Growing under steady traffic: "
+            "the LRU is smaller than the keys in use (raise SPLITFLASH_DRAFT_GRAPH_MAX_HELD)."
+        ),
         "draft_attention_policy": _d(
             "info", "Attention policy in force per drafter layer: kind (sliding/full), window "
             "(tokens; 'none' when full), source (checkpoint/override).", ("layer", _LAZY),
@@ -229,6 +234,11 @@ METRICS = MappingProxyType(
         "verify_graph_capture_seconds": _d(
             "counter", "Seconds verify steps spent capturing CUDA graphs (the stalls counted "
             "by verify_graph_captures)."
+        ),
+        "verify_graph_evictions": _d(
+            "counter", "Verify CUDA graphs dropped from the LRU (graph_max_held) to make room "
+            "for a new key; the key captures again when met. Growing under steady traffic: "
+            "the LRU is smaller than the keys in use (raise SPLITFLASH_VERIFY_GRAPH_MAX_HELD)."
         ),
         "kv_pages_used": _d("gauge", "KV cache pages in use."),
         "kv_pages_total": _d("gauge", "KV cache pages allocated."),

@@ -150,6 +150,7 @@ class DraftMetrics:
     draft_graph_capture_failed: Gauge
     draft_graph_captures: Counter
     draft_graph_capture_seconds: Counter
+    draft_graph_evictions: Counter
     draft_attention_policy: Info
     draft_attention_policy_mismatch: Gauge
     draft_sliding_keys_bound: Gauge
@@ -190,6 +191,7 @@ class VerifyMetrics:
     verify_batch_invariant: Gauge
     verify_graph_captures: Counter
     verify_graph_capture_seconds: Counter
+    verify_graph_evictions: Counter
     kv_pages_used: Gauge
     kv_pages_total: Gauge
     common: ServiceMetrics

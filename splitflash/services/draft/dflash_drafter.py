@@ -259,6 +259,10 @@ class DFlashProposer:
         """(draft graphs captured, seconds it took) since the last call."""
         return (0, 0.0) if self.graphs is None else self.graphs.pop_capture_stats()
 
+    def pop_graph_evictions(self) -> int:
+        """Draft graphs dropped from the LRU since the last call."""
+        return 0 if self.graphs is None else self.graphs.pop_evictions()
+
     @property
     def graph_capture_failed(self) -> bool:
         return self.graphs is not None and self.graphs.failed

@@ -266,6 +266,7 @@ class DraftServer:
         n, seconds = self.drafter.pop_capture_stats()
         self.metrics.draft_graph_captures.inc(n)
         self.metrics.draft_graph_capture_seconds.inc(seconds)
+        self.metrics.draft_graph_evictions.inc(self.drafter.pop_graph_evictions())
 
     def _features(self, msg: Features, frames) -> FeaturesAck:
         rid = msg.request_id

@@ -61,6 +61,7 @@ class VerifyServerMetrics:
             n, seconds = graphs.pop_capture_stats()
             self.bundle.verify_graph_captures.inc(n)
             self.bundle.verify_graph_capture_seconds.inc(seconds)
+            self.bundle.verify_graph_evictions.inc(graphs.pop_evictions())
 
     def add_kv_bytes(self, longest_context: int, n_bytes: int) -> None:
         self.bundle.verify_kv_bytes_read.labels(context_bucket=context_bucket(longest_context)).inc(
