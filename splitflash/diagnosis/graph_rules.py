@@ -3,11 +3,11 @@
 A small model's step launched kernel by kernel costs several times its graph replay (the
 default model's verify step at batch 1 on an H100: 12.7-17.2 ms eager against 0.77-2.38 ms
 graphed, bench/RESULTS.md "Session 24"), and nothing in the per-step figures says which ran:
-the step is merely slow. Row keys (from the
-worker scrapes around a context's requests, rows.worker_figures), per service "verify" /
-"draft": {svc}_eager_fraction (forwards that ran eagerly over all forwards),
-{svc}_graph_failed (the capture-failed gauge after the requests), {svc}_graph_captures and
-{svc}_capture_ms (graphs captured while those requests ran, and the time they stalled them).
+the step is merely slow. Row keys (from the worker scrapes around a context's requests,
+rows.worker_figures), per service "verify" / "draft": {svc}_eager_fraction (forwards that
+ran eagerly over all forwards), {svc}_graph_failed (the capture-failed gauge after the
+requests), {svc}_graph_captures and {svc}_capture_ms (graphs captured while those requests
+ran, and the time they stalled them).
 """
 
 from __future__ import annotations

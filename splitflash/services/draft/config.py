@@ -29,7 +29,7 @@ class DraftSettings:
     pool_slots: int = 64  # requests held in the pool; more run unpooled and eagerly
     pool_context: int = 0  # rows per full draft layer; 0 = the target's context length
     # Draft graphs kept (least recently used dropped): keys are (padded batch, block length,
-    # context power of two); a draft_graph_captures counter that keeps growing under steady
+    # context power of two); a draft_graph_evictions counter that keeps growing under steady
     # traffic says to raise it.
     graph_max_held: int = 24
     # DFlash on CUDA: before serving, a throwaway request's drafts compile the kernels and

@@ -26,8 +26,9 @@ class VerifySettings:
     graph_max_batch: int = 32
     # Graphs kept (least recently used dropped). A key is (padded batch, block length, KV
     # power of two, feature layers), so varied traffic can meet more keys than this; every
-    # capture stalls its step ~50 ms: a verify_graph_captures counter that keeps growing under
-    # steady traffic says to raise it. Each graph holds its static logits ([B_pad * Q, vocab]).
+    # capture stalls its step ~50 ms: a verify_graph_evictions counter that keeps growing
+    # under steady traffic says to raise it. Each graph holds its static logits
+    # ([B_pad * Q, vocab]).
     graph_max_held: int = 48
     # CUDA only: before serving, one throwaway request's steps compile the kernels and
     # capture batch-1 graphs (warmup.py), so the first client request does not pay ~1 s.
