@@ -201,7 +201,8 @@ SERVICES = [
           (rate("splitflash_protocol_errors_total", "service, code"), "{{service}} {{code}}")),
     panel("Verify forwards by mode",
           "graph = a replayed CUDA graph; eager = kernels launched one by one (CPU, mixed "
-          "block lengths, batches past the largest graph, or graphs off/failed). A GPU "
+          "block lengths without KV room to pad them, batches past the largest graph, or "
+          "graphs off/failed). A GPU "
           "deployment should be nearly all graph; capture_failed = 1 means it fell back. "
           "captures = CUDA graphs captured while serving, capture s/s = the share of time "
           "those stalls took; steady traffic should stop adding them. evictions = graphs "

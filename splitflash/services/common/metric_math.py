@@ -212,8 +212,9 @@ METRICS = MappingProxyType(
         ),
         "verify_forwards": _d(
             "counter", "Verify forwards by how they ran: mode=graph replayed a captured CUDA "
-            "graph, mode=eager launched each kernel from Python (CPU, mixed block lengths, "
-            "batches past the largest graph, graphs off or failed).",
+            "graph, mode=eager launched each kernel from Python (CPU, blocks of mixed lengths "
+            "without KV room to pad them to one, batches past the largest graph, graphs off "
+            "or failed).",
             ("mode", ("graph", "eager")),
         ),
         "verify_graph_capture_failed": _d(

@@ -21,7 +21,8 @@ class VerifySettings:
     max_batch: int = 64  # most items in one Prefill/Verify; larger batches are refused
     max_context: int = 0  # 0 = the model's max_position_embeddings
     # CUDA only: verify/decode steps replay CUDA graphs captured at batch sizes 1, 2, 4, ...
-    # up to graph_max_batch (padded up to the next one); bigger or mixed-length steps run eagerly.
+    # up to graph_max_batch (padded up to the next one; blocks padded to one length where the
+    # KV pool has room); bigger steps, and mixed lengths without that room, run eagerly.
     cuda_graphs: bool = True
     graph_max_batch: int = 32
     # Graphs kept (least recently used dropped). A key is (padded batch, block length, KV
