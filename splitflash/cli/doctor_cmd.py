@@ -141,7 +141,9 @@ def save_plot(report: DoctorReport, path: Path) -> None:
 
 
 def run(args) -> int:
-    console = Console(stderr=False)
+    # Piped or logged, rich would wrap the table at 80 columns and cut every header: the
+    # full table is one line per context at this width.
+    console = Console(stderr=False, width=None if sys.stdout.isatty() else 160)
     steps = len(args.contexts) + 1  # calibration, then one per context
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
