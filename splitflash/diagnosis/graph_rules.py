@@ -7,7 +7,8 @@ the step is merely slow. Row keys (from the worker scrapes around a context's re
 rows.worker_figures), per service "verify" / "draft": {svc}_eager_fraction (forwards that
 ran eagerly over all forwards), {svc}_graph_failed (the capture-failed gauge after the
 requests), {svc}_graph_captures and {svc}_capture_ms (graphs captured while those requests
-ran, and the time they stalled them).
+ran, and the time they stalled them), {svc}_graph_evictions (graphs their steps dropped from
+the LRU).
 """
 
 from __future__ import annotations
@@ -60,3 +61,21 @@ def steps_not_graphed(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None
                 f"{_EAGER_CAUSES[svc]}",
             )
     return None
+
+
+def graphs_evicted(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
+    """Doctor's probe is one request at a time over a few contexts: a handful of graph keys.
+    If even that drops graphs from the LRU, real traffic (more batch sizes, block lengths
+    and contexts at once) drops and captures again all the time."""
+    dropped = {s: sum(num(r, f"{s}_graph_evictions") or 0 for r in rows) for s in SERVICES}
+    dropped = {s: n for s, n in dropped.items() if n > 0}
+    if not dropped:
+        return None
+    what = " and ".join(f"{svc} {n:.0f}" for svc, n in dropped.items())
+    return Finding(
+        "graph_lru_too_small",
+        f"CUDA graphs dropped from a full LRU while doctor's single requests ran ({what}): "
+        f"each key met again is captured again, stalling its step by tens of ms, and real "
+        f"traffic meets more keys than this probe. Raise SPLITFLASH_VERIFY_GRAPH_MAX_HELD / "
+        f"SPLITFLASH_DRAFT_GRAPH_MAX_HELD where GPU memory allows",
+    )

@@ -133,8 +133,8 @@ def worker_figures(
 
 def _graph_figures(svc: str, before: Samples, after: Samples) -> dict:
     """How `svc`'s forwards ran (graph_rules.py): the eager share, captures made and the
-    seconds they stalled steps, and the capture-failed gauge. {} for a service without
-    forwards counted (n-gram drafter, no step in between)."""
+    seconds they stalled steps, graphs dropped from the LRU, and the capture-failed gauge.
+    {} for a service without forwards counted (n-gram drafter, no step in between)."""
     prefix = f"splitflash_{svc}"
     forwards = delta(after, before, f"{prefix}_forwards_total")
     if forwards <= 0:
@@ -144,5 +144,6 @@ def _graph_figures(svc: str, before: Samples, after: Samples) -> dict:
         f"{svc}_eager_fraction": eager / forwards,
         f"{svc}_graph_captures": delta(after, before, f"{prefix}_graph_captures_total"),
         f"{svc}_capture_ms": 1e3 * delta(after, before, f"{prefix}_graph_capture_seconds_total"),
+        f"{svc}_graph_evictions": delta(after, before, f"{prefix}_graph_evictions_total"),
         f"{svc}_graph_failed": total(after, f"{prefix}_graph_capture_failed"),
     }

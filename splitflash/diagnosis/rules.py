@@ -12,7 +12,8 @@ one or more greedy requests; DESIGN.md §4 terms):
   drafting_commit_len / drafting_drafted (c and K per step over the steps with K > 0),
   trace_totals / reported ({steps, draft_tokens, accepted_drafts}: summed over the trace
   vs the response's speculative_decoding_stats), and how the worker steps ran
-  ({verify,draft}_eager_fraction, _graph_captures, _capture_ms, _graph_failed: graph_rules.py).
+  ({verify,draft}_eager_fraction, _graph_captures, _capture_ms, _graph_evictions,
+  _graph_failed: graph_rules.py).
 Missing keys mean "not measured": a rule that needs them says nothing.
 Each rule returns at most one Finding, naming the evidence and the likely cause.
 """
@@ -28,7 +29,11 @@ from splitflash.diagnosis.context_rules import (
     window_not_applied,
 )
 from splitflash.diagnosis.findings import Finding, PolicyInfo
-from splitflash.diagnosis.graph_rules import graph_capture_failed, steps_not_graphed
+from splitflash.diagnosis.graph_rules import (
+    graph_capture_failed,
+    graphs_evicted,
+    steps_not_graphed,
+)
 from splitflash.diagnosis.judging import Row, ctx
 from splitflash.diagnosis.step_rules import (
     commit_len_stuck,
@@ -53,6 +58,7 @@ RULES: tuple[Callable[[Sequence[Row], PolicyInfo], Finding | None], ...] = (
     speculation_paused,
     graph_capture_failed,
     steps_not_graphed,
+    graphs_evicted,
 )
 
 

@@ -311,12 +311,15 @@ def test_graph_figures_from_scrape_deltas():
             f"splitflash_verify_graph_capture_seconds_total {seconds}\n"
             "# TYPE splitflash_verify_graph_capture_failed gauge\n"
             f"splitflash_verify_graph_capture_failed {failed}\n"
+            "# TYPE splitflash_verify_graph_evictions_total counter\n"
+            f"splitflash_verify_graph_evictions_total {captures // 4}\n"
         )  # fmt: skip
 
     before, after = scrape(10, 5, 3, 0.5, 0), scrape(37, 8, 5, 0.6, 1)
     got = worker_figures(None, (before, after), steps=30)
     want = {"verify_eager_fraction": 0.1, "verify_graph_captures": 2.0,
-            "verify_capture_ms": 100.0, "verify_graph_failed": 1.0}  # fmt: skip
+            "verify_capture_ms": 100.0, "verify_graph_evictions": 1.0,
+            "verify_graph_failed": 1.0}  # fmt: skip
     assert got == pytest.approx(want)
     assert worker_figures(None, (before, before), steps=30) == {}  # no forward: not measured
 
@@ -333,3 +336,14 @@ def test_the_table_shows_eager_shares_where_measured_and_a_dash_where_not():
     lines = [ln for ln in console.export_text().splitlines() if "1000" in ln or "8000" in ln]
     cells = [[c.strip() for c in ln.strip("│ ").split("│")] for ln in lines]
     assert cells[0][-2:] == ["25%", "-"] and cells[1][-2:] == ["-", "-"]
+
+
+def test_graphs_dropped_during_the_probe_say_the_lru_is_too_small():
+    rows = [
+        graphed(1000, verify_graph_evictions=0.0),
+        graphed(8000, verify_graph_evictions=2.0, draft_graph_evictions=1.0),
+    ]
+    (found,) = diagnose(rows)
+    assert found.code == "graph_lru_too_small"
+    assert "(verify 2 and draft 1)" in found.message and "GRAPH_MAX_HELD" in found.message
+    assert diagnose([graphed(1000, verify_graph_evictions=0.0)]) == []
