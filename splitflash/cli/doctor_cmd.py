@@ -67,14 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-metrics",
         default=None,
-        help="draft service /metrics URL: adds policy mismatch, keys read and whether draft "
-        "steps ran as CUDA graphs",
+        help="draft service /metrics URL (default: found through the gateway's /ready): "
+        "adds policy mismatch, keys read and whether draft steps ran as CUDA graphs",
     )
     p.add_argument(
         "--verify-metrics",
         default=None,
-        help="verify service /metrics URL: adds bytes read per step and whether verify steps "
-        "ran as CUDA graphs",
+        help="verify service /metrics URL (default: found through the gateway's /ready): "
+        "adds bytes read per step and whether verify steps ran as CUDA graphs",
     )
     p.add_argument("--json", dest="json_out", type=Path, default=None, help="save JSON here")
     p.add_argument("--plot", type=Path, default=None, help="save a PNG plot here")
@@ -92,6 +92,8 @@ def print_report(report: DoctorReport, console: Console) -> None:
         f"drafter: {p.drafter or 'unknown'}; policy: {p.policy or 'n/a'}"
         + ("" if p.mismatch is None else f"; policy mismatch gauge: {int(p.mismatch)}")
     )
+    for note in report.notes:
+        console.print(f"[dim]{note}[/dim]")
     for s in report.skipped:
         console.print(f"[yellow]context {s['context']} not measured: {s['reason']}[/yellow]")
     if not report.findings:

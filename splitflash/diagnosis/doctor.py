@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from splitflash.diagnosis.findings import Finding, PolicyInfo, parse_policy
-from splitflash.diagnosis.probe import DoctorError, Gateway, prompt_for, scrape
+from splitflash.diagnosis.probe import DoctorError, Gateway, metrics_url, prompt_for, scrape
 from splitflash.diagnosis.rows import Samples, by_label, delta, summarise, total, worker_figures
 from splitflash.diagnosis.rules import diagnose
 
@@ -35,6 +35,7 @@ class DoctorReport:
     violations: dict[str, float] = field(default_factory=dict)
     gateway_counters: dict[str, float] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what doctor could not look at, and why
 
     def to_dict(self) -> dict:
         return {
@@ -46,6 +47,7 @@ class DoctorReport:
             "invariant_violations": self.violations,
             "gateway_counter_increases": self.gateway_counters,
             "findings": [f.to_dict() for f in self.findings],
+            "notes": self.notes,
             "healthy": not self.findings,
         }
 
@@ -76,7 +78,10 @@ def run_doctor(
     try:
         ready = gw.ready()
         model = gw.model()
-        report = DoctorReport(url, model, read_policy(ready, _maybe(draft_metrics)))
+        notes: list[str] = []
+        draft_metrics = draft_metrics or _discover(ready, "draft", notes)
+        verify_metrics = verify_metrics or _discover(ready, "verify", notes)
+        report = DoctorReport(url, model, read_policy(ready, _maybe(draft_metrics)), notes=notes)
         gw_before = gw.metrics()
         on_progress("calibrating prompt length")
         per, fixed = gw.calibrate(model)
@@ -104,6 +109,19 @@ def run_doctor(
 
 def _maybe(url: str | None) -> Samples | None:
     return scrape(url) if url else None
+
+
+def _discover(ready: dict, role: str, notes: list[str]) -> str | None:
+    """A worker's /metrics URL from /ready when it answers; else a note saying why not and
+    which option gives it (the figures and findings that need it are then left out)."""
+    if not ready.get(role):
+        return None  # no such service (no drafter): nothing to say
+    url, why = metrics_url(ready, role)
+    if url is not None and scrape(url) is None:
+        url, why = None, f"{role} metrics at {url} do not answer"
+    if url is None:
+        notes.append(f"{role} worker metrics not read ({why}): pass --{role}-metrics URL")
+    return url
 
 
 PAUSED = ("splitflash_spec_fallback_steps_total", {"reason": "unprofitable"})

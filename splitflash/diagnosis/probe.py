@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -119,6 +120,22 @@ class Gateway:
             "trace": t.get("steps", []),
             "reported": final.get("speculative_decoding_stats") or {},
         }
+
+
+def metrics_url(ready: dict, role: str) -> tuple[str | None, str]:
+    """The /metrics URL of the deployment's one `role` ("verify" | "draft") worker from the
+    gateway's /ready (the address the gateway reaches it at, the metrics port its Hello
+    announced), or (None, why not). Several workers: doctor's deltas would mix them."""
+    workers = (ready.get(role) or {}).get("workers") or []
+    if len(workers) != 1:
+        return None, f"{len(workers)} {role} workers behind the gateway"
+    port = str((workers[0].get("info") or {}).get("metrics_port", ""))
+    if port in ("", "0"):
+        return None, f"the {role} worker announces no metrics port"
+    host = urlsplit(str(workers[0].get("addr", ""))).hostname
+    if not host:
+        return None, f"no host in the {role} address {workers[0].get('addr')!r}"
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics", ""
 
 
 def scrape(url: str) -> Samples | None:

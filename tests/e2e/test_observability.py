@@ -163,6 +163,9 @@ def test_garbage_drafter_commit_len_stuck_doctor_and_alert(deployment, tmp_path)
         in (report["findings"][0]["message"])
     )
     assert [r["mean_commit_len"] for r in report["rows"]] == [1.0, 1.0]
+    # no metrics URL given: the workers' were found through /ready (one of each, ports in
+    # their Hello) and read
+    assert report["notes"] == [] and all("bytes_per_step" in r for r in report["rows"])
     assert all(r["drafted"] >= 1 for r in report["rows"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     prom.wait_scraped()

@@ -347,3 +347,43 @@ def test_graphs_dropped_during_the_probe_say_the_lru_is_too_small():
     assert found.code == "graph_lru_too_small"
     assert "(verify 2 and draft 1)" in found.message and "GRAPH_MAX_HELD" in found.message
     assert diagnose([graphed(1000, verify_graph_evictions=0.0)]) == []
+
+
+def test_worker_metrics_urls_come_from_ready_where_one_worker_announces_a_port():
+    from splitflash.diagnosis.probe import metrics_url
+
+    def ready(*workers):
+        return {"verify": {"workers": [{"addr": a, "info": {"metrics_port": p}}
+                                       for a, p in workers]}}  # fmt: skip
+
+    assert metrics_url(ready(("tcp://127.0.0.1:5555", "9102")), "verify") == (
+        "http://127.0.0.1:9102/metrics", "")  # fmt: skip
+    assert metrics_url(ready(("tcp://verify:5555", "9102")), "verify")[0] == (
+        "http://verify:9102/metrics")  # fmt: skip
+    assert metrics_url(ready(("tcp://[::1]:5555", "9102")), "verify")[0] == (
+        "http://[::1]:9102/metrics")  # fmt: skip
+    two = ready(("tcp://a:5555", "9102"), ("tcp://b:5555", "9102"))
+    assert metrics_url(two, "verify") == (None, "2 verify workers behind the gateway")
+    assert metrics_url(ready(("tcp://a:5555", "0")), "verify")[0] is None  # metrics off
+    assert metrics_url(ready(("tcp://a:5555", "")), "verify")[0] is None  # an older worker
+    assert metrics_url(ready(), "draft") == (None, "0 draft workers behind the gateway")
+
+
+def test_unreachable_or_unknown_worker_metrics_leave_a_note_naming_the_option():
+    from splitflash.diagnosis.doctor import _discover
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nobody listens there
+    ready = {"verify": {"workers": [{"addr": "tcp://127.0.0.1:5555",
+                                     "info": {"metrics_port": str(port)}}]},
+             "draft": {"workers": []}, "gateway": None}  # fmt: skip
+    notes: list[str] = []
+    assert _discover(ready, "verify", notes) is None and _discover(ready, "draft", notes) is None
+    assert _discover(ready, "gateway", notes) is None  # no such service: no note
+    assert notes == [
+        f"verify worker metrics not read (verify metrics at http://127.0.0.1:{port}/metrics "
+        "do not answer): pass --verify-metrics URL",
+        "draft worker metrics not read (0 draft workers behind the gateway): pass "
+        "--draft-metrics URL",
+    ]

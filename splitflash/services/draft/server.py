@@ -148,7 +148,8 @@ class DraftServer:
         try:
             match msg:
                 case Hello():
-                    info = {"drafter": self.facts.name, "policy": self.facts.policy}
+                    info = {"drafter": self.facts.name, "policy": self.facts.policy,
+                            "metrics_port": str(self.settings.metrics_port)}  # fmt: skip
                     return answer_hello(
                         msg,
                         service="draft",

@@ -115,6 +115,7 @@ class VerifyServer:
             "attention_backend": e.model.backend.name,
             "kv_pool": f"{e.cache.num_pages} pages x {e.cache.page_size} = {page_tokens} tokens",
             "max_context": str(e.max_context),
+            "metrics_port": str(self.settings.metrics_port),  # doctor finds /metrics by it
         }
 
     def serve(self) -> None:
