@@ -98,6 +98,8 @@ def test_target_only_steps_without_a_drafter():
         run = Run("solo", PROMPTS[0], max_tokens=10)
         gateway_generate(vc, None, [run])
         assert run.out == target_only(PROMPTS[0], 10)
+        info = handshake(vc, make_hello("probe", "p"), timeout_s=CALL_S).info
+        assert (info["device"], info["cuda_graphs"]) == ("cpu", "off")  # what /ready shows
 
 
 @pytest.mark.parametrize("service", ["verify", "draft"])
@@ -269,7 +271,8 @@ def test_a_gateways_new_feature_layers_are_warmed_up_between_messages(warmup):
     engine = TargetEngine(model, cache, graphs=VerifyGraphs(model, cache, (1, 2), capture=False))
     settings = VerifySettings(bind=ANY_PORT, metrics_port=0, draft_addr="", warmup=warmup)
     with running(VerifyServer(settings, engine=engine)) as v, client_for(v.endpoint, "verify") as c:
-        handshake(c, make_hello("probe", "p", [1]), timeout_s=CALL_S)
+        info = handshake(c, make_hello("probe", "p", [1]), timeout_s=CALL_S).info
+        assert info["cuda_graphs"] == "batch sizes 1,2, 48 kept" and info["metrics_port"] == "0"
         time.sleep(0.5)  # a few idle polls
         assert engine.graphs.captures == 0 and engine.feature_layer_ids == ()
         handshake(c, make_hello("gateway", "gw", [1]), timeout_s=CALL_S)
