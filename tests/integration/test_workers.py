@@ -99,7 +99,7 @@ def test_target_only_steps_without_a_drafter():
         gateway_generate(vc, None, [run])
         assert run.out == target_only(PROMPTS[0], 10)
         info = handshake(vc, make_hello("probe", "p"), timeout_s=CALL_S).info
-        assert (info["device"], info["cuda_graphs"]) == ("cpu", "off")  # what /ready shows
+        assert (info["device"], info["cuda_graphs"], info["graph_max_batch"]) == ("cpu", "off", "0")
 
 
 @pytest.mark.parametrize("service", ["verify", "draft"])
@@ -272,7 +272,8 @@ def test_a_gateways_new_feature_layers_are_warmed_up_between_messages(warmup):
     settings = VerifySettings(bind=ANY_PORT, metrics_port=0, draft_addr="", warmup=warmup)
     with running(VerifyServer(settings, engine=engine)) as v, client_for(v.endpoint, "verify") as c:
         info = handshake(c, make_hello("probe", "p", [1]), timeout_s=CALL_S).info
-        assert info["cuda_graphs"] == "batch sizes 1,2, 48 kept" and info["metrics_port"] == "0"
+        assert info["cuda_graphs"] == "batch sizes 1,2, 48 kept" and info["graph_max_batch"] == "2"
+        assert info["metrics_port"] == "0"
         time.sleep(0.5)  # a few idle polls
         assert engine.graphs.captures == 0 and engine.feature_layer_ids == ()
         handshake(c, make_hello("gateway", "gw", [1]), timeout_s=CALL_S)

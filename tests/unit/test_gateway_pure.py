@@ -162,3 +162,14 @@ def test_text_stream_equals_a_full_decode_cut_at_the_first_stop_and_decodes_a_wi
         # A window is the previous delta's tokens plus this push's (more only while a
         # character or a token's text is incomplete): never the whole output.
         assert longest[0] <= 12 or longest[0] < len(ids) // 2, (trial, longest[0], len(ids))
+
+
+def test_a_gateway_batching_past_verifys_largest_graph_is_warned_at_the_handshake():
+    from splitflash.services.gateway.runtime import graph_batch_warning
+
+    warning = graph_batch_warning(64, {"graph_max_batch": "32"})
+    assert warning is not None and "max_running 64 exceeds" in warning
+    assert "steps of more than 32 requests run eagerly" in warning
+    assert graph_batch_warning(32, {"graph_max_batch": "32"}) is None  # every step fits
+    assert graph_batch_warning(64, {"graph_max_batch": "0"}) is None  # CPU: no graphs
+    assert graph_batch_warning(64, {}) is None  # a worker that does not say

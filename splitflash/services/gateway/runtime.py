@@ -48,6 +48,7 @@ class GatewayRuntime:
         link = WorkerLink(self.ctx, service, endpoint, *codecs, self.settings.heartbeat_s, curve)
         if service == "verify":
             link.wants_target_layers = self.layers
+            link.on_up = self._verify_up
         else:
             link.on_up = self._drafter_up
         return link
@@ -74,6 +75,10 @@ class GatewayRuntime:
             verify.wants_target_layers = layers
             if verify.alive:
                 await verify.greet(timeout_s=GREET_S)
+
+    async def _verify_up(self, link: WorkerLink, hello) -> None:
+        if (warning := graph_batch_warning(self.settings.max_running, hello.info)) is not None:
+            log.warning("verify at %s: %s", link.addr, warning)
 
     async def _removed(self, link: WorkerLink) -> None:
         if self.orchestrator is not None:
@@ -149,3 +154,18 @@ class GatewayRuntime:
             "running": len(orch.running) if orch else 0,
             "waiting": len(orch.waiting) if orch else 0,
         }
+
+
+def graph_batch_warning(max_running: int, verify_info) -> str | None:
+    """A step batches up to max_running requests; verify replays CUDA graphs only up to its
+    largest graph batch (Hello info "graph_max_batch", 0 = no graphs) and runs bigger steps
+    eagerly, several times slower for a small model. Said at the handshake, where the two
+    settings meet, rather than found later in splitflash_verify_forwards_total."""
+    largest = int(verify_info.get("graph_max_batch") or 0)
+    if not 0 < largest < max_running:
+        return None
+    return (
+        f"the gateway's max_running {max_running} exceeds verify's largest CUDA graph batch "
+        f"{largest}: steps of more than {largest} requests run eagerly (raise "
+        f"SPLITFLASH_VERIFY_GRAPH_MAX_BATCH or lower SPLITFLASH_GATEWAY_MAX_RUNNING)"
+    )

@@ -116,6 +116,8 @@ class VerifyServer:
             "kv_pool": f"{e.cache.num_pages} pages x {e.cache.page_size} = {page_tokens} tokens",
             "max_context": str(e.max_context),
             "cuda_graphs": _graphs_text(getattr(e, "graphs", None)),
+            # the gateway warns when it batches more requests than this (0 = no graphs)
+            "graph_max_batch": str(max(getattr(e.graphs, "batch_sizes", (0,)))),
             "metrics_port": str(self.settings.metrics_port),  # doctor finds /metrics by it
         }
 
