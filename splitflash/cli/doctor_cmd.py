@@ -92,6 +92,10 @@ def print_report(report: DoctorReport, console: Console) -> None:
         f"drafter: {p.drafter or 'unknown'}; policy: {p.policy or 'n/a'}"
         + ("" if p.mismatch is None else f"; policy mismatch gauge: {int(p.mismatch)}")
     )
+    if report.verify_info:  # what the step times above ran on
+        shown = ("device", "dtype", "attention_backend", "cuda_graphs", "kv_pool")
+        console.print("verify: " + "; ".join(f"{k} {report.verify_info[k]}" for k in shown
+                                             if k in report.verify_info))  # fmt: skip
     for note in report.notes:
         console.print(f"[dim]{note}[/dim]")
     for s in report.skipped:

@@ -36,6 +36,7 @@ class DoctorReport:
     gateway_counters: dict[str, float] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what doctor could not look at, and why
+    verify_info: dict = field(default_factory=dict)  # /ready's verify.info: device, graphs...
 
     def to_dict(self) -> dict:
         return {
@@ -48,6 +49,7 @@ class DoctorReport:
             "gateway_counter_increases": self.gateway_counters,
             "findings": [f.to_dict() for f in self.findings],
             "notes": self.notes,
+            "verify_info": self.verify_info,
             "healthy": not self.findings,
         }
 
@@ -81,7 +83,9 @@ def run_doctor(
         notes: list[str] = []
         draft_metrics = draft_metrics or _discover(ready, "draft", notes)
         verify_metrics = verify_metrics or _discover(ready, "verify", notes)
-        report = DoctorReport(url, model, read_policy(ready, _maybe(draft_metrics)), notes=notes)
+        verify_info = dict((ready.get("verify") or {}).get("info") or {})
+        policy = read_policy(ready, _maybe(draft_metrics))
+        report = DoctorReport(url, model, policy, notes=notes, verify_info=verify_info)
         gw_before = gw.metrics()
         on_progress("calibrating prompt length")
         per, fixed = gw.calibrate(model)

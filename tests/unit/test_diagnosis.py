@@ -332,7 +332,10 @@ def test_the_table_shows_eager_shares_where_measured_and_a_dash_where_not():
     rows = [graphed(1000, verify_eager=0.25), row(8000)]
     rows[0].pop("draft_eager_fraction")
     console = Console(record=True, width=250)
-    doctor_cmd.print_report(DoctorReport("u", "m", PolicyInfo(), rows=rows), console)
+    info = {"device": "cuda:0", "cuda_graphs": "off", "other": "x"}
+    doctor_cmd.print_report(DoctorReport("u", "m", PolicyInfo(), rows=rows, verify_info=info),
+                            console)  # fmt: skip
+    assert "verify: device cuda:0; cuda_graphs off\n" in console.export_text(clear=False)
     lines = [ln for ln in console.export_text().splitlines() if "1000" in ln or "8000" in ln]
     cells = [[c.strip() for c in ln.strip("│ ").split("│")] for ln in lines]
     assert cells[0][-2:] == ["25%", "-"] and cells[1][-2:] == ["-", "-"]
