@@ -109,15 +109,16 @@ class VerifyServer:
     def describe(self) -> dict[str, str]:
         e = self.engine
         page_tokens = e.cache.num_pages * e.cache.page_size
+        graphs = getattr(e, "graphs", None)  # None: eager steps (CPU, graphs off, TP)
         return {
             "device": str(e.device),
             "dtype": str(e.model.embed_tokens.weight.dtype).removeprefix("torch."),
             "attention_backend": e.model.backend.name,
             "kv_pool": f"{e.cache.num_pages} pages x {e.cache.page_size} = {page_tokens} tokens",
             "max_context": str(e.max_context),
-            "cuda_graphs": _graphs_text(getattr(e, "graphs", None)),
+            "cuda_graphs": _graphs_text(graphs),
             # the gateway warns when it batches more requests than this (0 = no graphs)
-            "graph_max_batch": str(max(getattr(e.graphs, "batch_sizes", (0,)))),
+            "graph_max_batch": str(max(graphs.batch_sizes) if graphs else 0),
             "metrics_port": str(self.settings.metrics_port),  # doctor finds /metrics by it
         }
 
