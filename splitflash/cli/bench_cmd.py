@@ -29,6 +29,7 @@ BENCHES = {
     "flush_probe": "bench.flush_probe",
     "draft_attn_sweep": "bench.draft_attn_sweep",
     "first_step": "bench.first_step",
+    "graph_memory": "bench.graph_memory",
 }
 
 
