@@ -82,6 +82,14 @@ class CaptureStats:
         return n
 
 
+def graphs_summary(graphs) -> str:
+    """What a service's Hello (so the gateway's /ready) says of its step graphs: VerifyGraphs
+    or DraftGraphs, or None for eager steps."""
+    if graphs is None:
+        return "off"
+    return f"batch sizes {','.join(map(str, graphs.batch_sizes))}, {graphs.max_graphs} kept"
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: capture=False, run the static step eagerly

@@ -7,7 +7,15 @@ import torch
 
 from splitflash.cli import serve_cmd
 from splitflash.local import generate_local
-from splitflash.protocol import PeerTimeout, Prefill, PrefillItem, PrefillReply, ProtocolError
+from splitflash.protocol import (
+    PeerTimeout,
+    Prefill,
+    PrefillItem,
+    PrefillReply,
+    ProtocolError,
+    handshake,
+    make_hello,
+)
 from splitflash.services.draft.config import DraftSettings
 from splitflash.services.draft.ngram import NgramDrafter
 from splitflash.services.draft.server import DraftServer
@@ -194,6 +202,8 @@ def test_dflash_drafter_over_services_is_lossless_and_batched():
         ):
             runs = [Run("d0", PROMPT, max_tokens=20), Run("d1", PROMPT[:4], max_tokens=15)]
             gateway_generate(vc, dc, runs, block=6, draft_peer="draft")
+            info = handshake(dc, make_hello("probe", "p"), timeout_s=CALL_S).info
+            assert (info["cuda_graphs"], info["metrics_port"]) == ("off", "0")  # CPU
             assert v.metrics.registry.get_sample_value(
                 "splitflash_protocol_errors_total",
                 {"service": "verify", "code": "features_timeout"},

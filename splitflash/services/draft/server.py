@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
+from splitflash.models.graphs import graphs_summary
 from splitflash.protocol import (
     DRAFT_REQUESTS,
     DRAFT_RESPONSES,
@@ -149,6 +150,7 @@ class DraftServer:
             match msg:
                 case Hello():
                     info = {"drafter": self.facts.name, "policy": self.facts.policy,
+                            "cuda_graphs": graphs_summary(getattr(self.drafter, "graphs", None)),
                             "metrics_port": str(self.settings.metrics_port)}  # fmt: skip
                     return answer_hello(
                         msg,

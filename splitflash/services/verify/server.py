@@ -22,6 +22,7 @@ import time
 import torch
 import zmq
 
+from splitflash.models.graphs import graphs_summary
 from splitflash.protocol import (
     VERIFY_REQUESTS,
     VERIFY_RESPONSES,
@@ -116,7 +117,7 @@ class VerifyServer:
             "attention_backend": e.model.backend.name,
             "kv_pool": f"{e.cache.num_pages} pages x {e.cache.page_size} = {page_tokens} tokens",
             "max_context": str(e.max_context),
-            "cuda_graphs": _graphs_text(graphs),
+            "cuda_graphs": graphs_summary(graphs),
             # the gateway warns when it batches more requests than this (0 = no graphs)
             "graph_max_batch": str(max(graphs.batch_sizes) if graphs else 0),
             "metrics_port": str(self.settings.metrics_port),  # doctor finds /metrics by it
@@ -336,10 +337,3 @@ class VerifyServer:
     def _result(self, report: StepReport) -> StepResult:
         self.metrics.count_violations(report.violations)
         return step_result(self.engine, report, self.stop_ids)
-
-
-def _graphs_text(graphs) -> str:
-    """What /ready and the start-up log say of the verify step's CUDA graphs."""
-    if graphs is None:
-        return "off"
-    return f"batch sizes {','.join(map(str, graphs.batch_sizes))}, {graphs.max_graphs} kept"
