@@ -41,6 +41,8 @@ from splitflash.models.dflash.model import joined_rows
 from splitflash.models.dflash.pool import DraftKVPool
 from splitflash.models.graphs import DEFAULT_BATCH_SIZES, CaptureStats
 
+DEFAULT_MAX_GRAPHS = 24  # DraftSettings.graph_max_held's default, for callers without one
+
 log = logging.getLogger("splitflash.graphs")
 
 
@@ -66,7 +68,7 @@ class DraftGraphs(CaptureStats):
         drafter,
         pool: DraftKVPool,
         batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
-        max_graphs: int = 24,
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
         capture: bool = True,
     ) -> None:
         if not batch_sizes or min(batch_sizes) < 1:

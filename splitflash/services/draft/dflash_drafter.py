@@ -20,7 +20,7 @@ from torch import nn
 
 from splitflash.models.dflash import DFlashDesyncError, DFlashDrafter, DFlashState, load_dflash
 from splitflash.models.dflash.config import SLIDING
-from splitflash.models.dflash.graphs import DraftGraphs
+from splitflash.models.dflash.graphs import DEFAULT_MAX_GRAPHS, DraftGraphs
 from splitflash.models.dflash.model import joined_rows
 from splitflash.models.dflash.pool import DraftKVPool
 
@@ -283,7 +283,7 @@ def load_proposer(
     pool_slots: int = 0,
     pool_context: int = 0,
     cuda_graphs: bool = False,
-    graph_max_held: int = 24,
+    graph_max_held: int = DEFAULT_MAX_GRAPHS,
 ) -> DFlashProposer:
     """pool_slots > 0: a DraftKVPool of that many requests x pool_context rows per full layer;
     cuda_graphs: capture the draft step over it (CUDA only)."""
@@ -317,7 +317,7 @@ def build_dflash_drafter(
     pool_slots: int = 0,
     pool_context: int = 0,
     cuda_graphs: bool = False,
-    graph_max_held: int = 24,
+    graph_max_held: int = DEFAULT_MAX_GRAPHS,
     warmup: bool = False,
 ):
     """The draft service's factory: loads only the target's embedding and LM head. On CUDA
