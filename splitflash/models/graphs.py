@@ -17,7 +17,11 @@ Graphs are captured lazily on first use of a key, after an eager warm-up that co
 kernel (and autotunes where no measured config exists) outside the capture; the verify
 service captures batch-1 keys at start-up, and again for the feature layers a drafter asks
 for, between messages (services/verify/warmup.py). They are kept in an
-LRU of `max_graphs` and share one memory pool. With capture=False (CPU, tests) the same
+LRU of `max_graphs` and share one memory pool. Their outputs live outside it, one set per
+padded row count (B_pad * Q) shared by every graph of that count: a graph's fp32 logits
+[B_pad * Q, vocab] would otherwise stay allocated as long as it is held (100 MB at 32 x 16
+rows of a 49k vocab, 260 MB for a 128k one), once per KV bucket and feature-layer set,
+and only one graph replays at a time. With capture=False (CPU, tests) the same
 padded static step runs eagerly: everything but the capture, so the padding is testable
 anywhere. Outputs are copied out of the static buffers before returning, so a later replay
 never overwrites what a caller holds.
@@ -95,7 +99,8 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: capture=False, run the static step eagerly
     buf: torch.Tensor  # the static inputs packed (models/step_inputs.py): one copy loads a step
     batch: ForwardBatch  # views of buf: [N_pad] token_ids / positions / slots, meta tensors
-    out: ForwardOutput  # static outputs: logits [N_pad, V], hidden [N_pad, F] or None
+    out: ForwardOutput  # static outputs, shared by the graphs of N_pad rows (_shared_out):
+    #                     logits [N_pad, V] fp32, hidden [N_pad, F] or None
 
 
 class VerifyGraphs(CaptureStats):
@@ -129,6 +134,10 @@ class VerifyGraphs(CaptureStats):
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.capture = capture
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # The static outputs of every graph of one padded row count: logits by rows,
+        # features by (rows, width). Never freed before the graphs (bounded by the counts).
+        self._logits_out: dict[int, torch.Tensor] = {}  # rows -> [rows, V] fp32
+        self._hidden_out: dict[tuple[int, int], torch.Tensor] = {}  # -> [rows, width]
         self.replays = 0
         super().__init__()
         self.failed = False  # a capture raised once: eager from then on (logged)
@@ -172,7 +181,7 @@ class VerifyGraphs(CaptureStats):
             self._graphs.move_to_end(key)
             self._load(entry.buf, step, shape)
         if entry.graph is None:
-            entry.out = self.model(entry.batch, self.cache, None, key[3])
+            self.model(entry.batch, self.cache, None, key[3], entry.out)
         else:
             entry.graph.replay()
         self.replays += 1
@@ -189,6 +198,22 @@ class VerifyGraphs(CaptureStats):
         host = pack(padded, self.cache.pages_for(bucket), pin=self.device.type == "cuda")
         buf.copy_(host, non_blocking=True)
 
+    def _shared_out(self, rows: int, n_layers: int) -> ForwardOutput:
+        """The static outputs of the graphs of `rows` padded rows (n_layers feature layers)."""
+        cfg = self.model.cfg
+        if rows not in self._logits_out:
+            self._logits_out[rows] = torch.empty(rows, cfg.vocab_size, dtype=torch.float32,
+                                                 device=self.device)  # fmt: skip
+        hidden = None
+        if n_layers:
+            width = n_layers * cfg.hidden_size
+            if (rows, width) not in self._hidden_out:
+                dtype = self.model.embed_tokens.weight.dtype
+                self._hidden_out[rows, width] = torch.empty(rows, width, dtype=dtype,
+                                                            device=self.device)  # fmt: skip
+            hidden = self._hidden_out[rows, width]
+        return ForwardOutput(logits=self._logits_out[rows], hidden=hidden)
+
     def _capture(self, key: tuple, step: StepHost) -> _Captured:
         self.make_room(self._graphs, self.max_graphs, "verify")
         shape, layer_ids = key[:3], key[3]
@@ -200,9 +225,10 @@ class VerifyGraphs(CaptureStats):
         # length replayed (kv_bound).
         static = views(buf, [q] * b_pad, [bucket] * b_pad, width, kv_bound=bucket)
         self._load(buf, step, shape)
+        out = self._shared_out(b_pad * q, len(layer_ids))
         if not self.capture:
             self.captures += 1
-            entry = self._graphs[key] = _Captured(None, buf, static, ForwardOutput(None, None))
+            entry = self._graphs[key] = _Captured(None, buf, static, out)
             return entry
         # Warm-up outside the capture: Triton compiles and autotunes here, on a side stream
         # as graph capture requires. It writes the same K/V the replay will (idempotent).
@@ -210,11 +236,11 @@ class VerifyGraphs(CaptureStats):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.model(static, self.cache, None, layer_ids)
+                self.model(static, self.cache, None, layer_ids, out)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.model(static, self.cache, None, layer_ids)
+            self.model(static, self.cache, None, layer_ids, out)
         entry = _Captured(graph, buf, static, out)
         self._graphs[key] = entry
         self.captures += 1

@@ -182,8 +182,11 @@ class TargetModel(nn.Module):
         cache: PagedKVCache,
         logits_rows: torch.Tensor | None = None,
         hidden_layer_ids: tuple[int, ...] = (),
+        out: ForwardOutput | None = None,
     ) -> ForwardOutput:
-        """hidden_layer_ids: layer i means the output of decoder layer i (0-based)."""
+        """hidden_layer_ids: layer i means the output of decoder layer i (0-based). out: write
+        the logits (and the features, if any) into these tensors of the right shapes instead
+        of new ones (CUDA graphs of one row count share them: models/graphs.py)."""
         x = self.embed_tokens(batch.token_ids)  # [N, D]
         cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         captured: dict[int, torch.Tensor] = {}
@@ -207,12 +210,17 @@ class TargetModel(nn.Module):
                 captured[i] = x
         rows = x if logits_rows is None else x[logits_rows]
         if inv:  # the norm's row reduction and the LM head's K loop fixed per row
-            logits = norm_linear(rows, self.norm.weight, eps, self.lm_head.weight,
-                                 any_rows=True).float()  # fmt: skip
+            logits = norm_linear(rows, self.norm.weight, eps, self.lm_head.weight, any_rows=True)
         else:
-            logits = self.lm_head(self.norm(rows)).float()
-        hidden = torch.cat([captured[i] for i in hidden_layer_ids], -1) if captured else None
-        return ForwardOutput(logits=logits, hidden=hidden)
+            logits = self.lm_head(self.norm(rows))
+        features = [captured[i] for i in hidden_layer_ids] if captured else []
+        if out is None:
+            hidden = torch.cat(features, -1) if features else None
+            return ForwardOutput(logits=logits.float(), hidden=hidden)
+        out.logits.copy_(logits)  # the same rounding as .float()
+        if features:
+            torch.cat(features, -1, out=out.hidden)
+        return out
 
 
 def _add_projection(

@@ -23,10 +23,11 @@ from tests.conftest import tiny_model
 PAGE = 4
 
 
-def _engine(model, graphs: bool, capture: bool = False, sizes=(1, 2, 4, 8)) -> TargetEngine:
+def _engine(model, graphs: bool, capture: bool = False, sizes=(1, 2, 4, 8),
+            pages: int = 96) -> TargetEngine:  # fmt: skip
     cfg = model.cfg
     dev = model.embed_tokens.weight.device
-    cache = PagedKVCache(cfg.num_layers, 96, PAGE, cfg.num_kv_heads, cfg.head_dim,
+    cache = PagedKVCache(cfg.num_layers, pages, PAGE, cfg.num_kv_heads, cfg.head_dim,
                          dtype=model.embed_tokens.weight.dtype, device=dev,
                          scratch_pages=16 if graphs else 0)  # fmt: skip
     runner = VerifyGraphs(model, cache, sizes, capture=capture) if graphs else None
@@ -148,6 +149,45 @@ def test_captured_graphs_equal_eager_on_gpu():
     # Same kernels; the graph plans its KV splits for the bucket, so sums may reorder.
     _same(want, got, atol=1e-4)
     assert graphed.graphs.replays == len(blocks) and graphed.graphs.captures == 3
+
+
+@pytest.mark.parametrize("capture", [
+    False,
+    pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")]),
+])  # fmt: skip
+def test_graphs_of_one_row_count_share_their_outputs_and_replay_in_any_order(capture):
+    """Two requests in different KV buckets verified in turn: two graphs of 4 rows write
+    the same static logits and features (no copy held per graph), yet every step, in
+    alternating order, gives the eager step's tokens and features."""
+    model = tiny_model().to("cuda" if capture else "cpu")
+    rng = random.Random(6)
+    prompts = {"short": [rng.randrange(97) for _ in range(40)],  # KV bucket 256
+               "long": [rng.randrange(97) for _ in range(270)]}  # bucket 512  # fmt: skip
+    records = {}
+    for graphs in (False, True):
+        engine = _engine(model, graphs=graphs, capture=capture, pages=128)
+        for rid, prompt in prompts.items():
+            engine.prefill(rid, prompt, Sampling(), (), 10_000)
+        drafts = random.Random(7)
+        steps = []
+        for rid in ["short", "long"] * 3 + ["short"]:
+            q = 1 if len(steps) == 6 else 4  # the last step: another row count
+            item = VerifyInput(rid, len(engine.seqs[rid].tokens),
+                               [drafts.randrange(97) for _ in range(q - 1)], 10_000)  # fmt: skip
+            (rep,) = engine.verify([item])
+            assert rep.error is None and not rep.violations
+            steps.append((rid, rep.outcome.committed, rep.features))
+        records[graphs] = steps
+        if graphs:
+            held = engine.graphs._graphs
+            assert sorted(k[:3] for k in held) == [(1, 1, 256), (1, 4, 256), (1, 4, 512)]
+            by_rows = {k[1]: entry.out for k, entry in held.items()}
+            four = [entry.out for k, entry in held.items() if k[1] == 4]
+            assert four[0].logits is four[1].logits and four[0].hidden is four[1].hidden
+            assert by_rows[1].logits.shape[0] == 1 and by_rows[4].logits.shape[0] == 4
+            assert engine.graphs.replays == 7 and engine.graphs.captures == 3
+    _same(records[False], records[True], atol=1e-4 if capture else 1e-5)
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, seed=5)])
