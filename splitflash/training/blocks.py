@@ -91,7 +91,7 @@ def block_hidden(
 def block_logits(drafter: DFlashDrafter, features, ids, anchors, block: int) -> torch.Tensor:
     """Logits [N, A, B - 1, V] (the same rows `DFlashDrafter.draft` returns per block)."""
     h = block_hidden(drafter, features, ids, anchors, block)
-    head = drafter._shared.lm_head_weight
+    head = drafter.lm_head_weight
     return h @ head.to(h.dtype).T
 
 

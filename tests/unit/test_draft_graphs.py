@@ -208,3 +208,34 @@ def test_captured_draft_graphs_replay_eager_logits():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32 weights
     assert graphs.captures == 1 and graphs.replays == 3 and not graphs.failed
     assert next(iter(graphs._graphs.values())).graph is not None
+
+
+@pytest.mark.parametrize("capture", [
+    False,
+    pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not CUDA or INTERPRET, reason="needs a CUDA GPU, TRITON_INTERPRET unset")]),
+])  # fmt: skip
+def test_graphs_of_one_batch_and_block_share_their_logits_and_replay_in_any_order(capture):
+    """Two requests in different context buckets drafted in turn: both graphs of (1, 6)
+    write one static logits tensor, and each step in alternating order gives the eager
+    step's logits."""
+    drafter = make(cfg_dict(window=64))
+    if capture:
+        drafter = drafter.cuda()
+        emb, head = shared(0)
+        drafter.attach_shared(torch.nn.Embedding.from_pretrained(emb.weight.cuda()), head.cuda())
+    pool = DraftKVPool(drafter, slots=4, context=1024)
+    graphs = DraftGraphs(drafter, pool, batch_sizes=(1, 2), capture=capture)
+    eager, pooled = [drafter.new_state() for _ in range(2)], [pool.new_state() for _ in range(2)]
+    lengths, marks = [20, 300], [[0] * 2, [0] * 2]  # context buckets 256 and 512
+    for step in range(3):
+        lengths = [n + 5 * step for n in lengths]
+        grow(drafter, eager, lengths, marks[0])
+        grow(drafter, pooled, lengths, marks[1])
+        for i in (0, 1, 0):
+            want = drafter.draft_batch([eager[i]], [3 + i], [lengths[i]], 6)
+            got = graphs.run([pooled[i]], [3 + i], [lengths[i]], 6)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert sorted(graphs._graphs) == [(1, 6, 256), (1, 6, 512)]
+    first, second = graphs._graphs.values()
+    assert first.out is second.out and graphs.captures == 2 and graphs.replays == 9

@@ -57,7 +57,8 @@ class _Captured:
     slots: torch.Tensor  # [N_pad] int32: pool slot per row (0 = scratch for padding)
     n_ctx: torch.Tensor  # [N_pad] int32: context tokens per row, the new rows included
     app_feats: torch.Tensor  # [N_pad * R, K*D] the context rows' target features
-    out: torch.Tensor | None  # [N_pad, T-1, V] logits of the last replay
+    out: torch.Tensor  # [N_pad, T-1, V] logits of the last replay, shared by the graphs of
+    #                    one (N_pad, T) (_shared_out)
 
 
 class DraftGraphs(CaptureStats):
@@ -86,6 +87,9 @@ class DraftGraphs(CaptureStats):
         self.capture = capture
         self._graphs: OrderedDict[tuple[int, int, int], _Captured] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # The logits of every graph of one (N_pad, T), outside the pool: one replays at a time
+        # and its logits are copied out, so the context buckets need no copy each.
+        self._logits_out: dict[tuple[int, int], torch.Tensor] = {}
         self.replays = 0
         super().__init__()
         self.failed = False  # a capture raised once: eager from then on (logged)
@@ -151,7 +155,7 @@ class DraftGraphs(CaptureStats):
             self._graphs.move_to_end(key)
             self._load(entry, step)
         if entry.graph is None:
-            entry.out = self._forward(entry, key[2])
+            self._forward(entry, key[2])
         else:
             entry.graph.replay()
         self.replays += 1
@@ -170,7 +174,15 @@ class DraftGraphs(CaptureStats):
         attend = drafter.pooled_attention(pool, entry.slots, entry.n_ctx, bucket)
         if attend is None:
             raise ValueError("draft graphs need the torch or Triton attention backend")
-        return drafter.forward_block(entry.ids, entry.pos, attend)
+        return drafter.forward_block(entry.ids, entry.pos, attend, entry.out)
+
+    def _shared_out(self, n_pad: int, t: int) -> torch.Tensor:
+        """The logits [n_pad, t - 1, V] every graph of (n_pad, t) writes."""
+        if (n_pad, t) not in self._logits_out:
+            head = self.drafter.lm_head_weight  # [V, D]
+            shape = (n_pad, t - 1, head.shape[0])
+            self._logits_out[n_pad, t] = head.new_empty(shape)
+        return self._logits_out[n_pad, t]
 
     def _load(self, entry: _Captured, step: StepInputs) -> None:
         """Copy a step into the static buffers: the ints in one copy (asynchronous from
@@ -193,7 +205,8 @@ class DraftGraphs(CaptureStats):
         buf = torch.zeros(2 * n64 + n32, dtype=torch.int32, device=dev)
         feats = torch.zeros(n_pad * rows, cfg.feature_dim, dtype=self.drafter.fc.weight.dtype,
                             device=dev)  # fmt: skip
-        entry = _Captured(None, buf, *views(buf, n_pad, t, rows, n_layers), feats, out=None)
+        entry = _Captured(None, buf, *views(buf, n_pad, t, rows, n_layers), feats,
+                          out=self._shared_out(n_pad, t))  # fmt: skip
         self._load(entry, step)
         if self.capture:
             # Warm-up outside the capture (compiles, autotunes), on a side stream as capture
@@ -207,7 +220,7 @@ class DraftGraphs(CaptureStats):
             torch.cuda.current_stream(dev).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                entry.out = self._forward(entry, bucket)
+                self._forward(entry, bucket)
             entry.graph = graph
             log.info("captured draft graph N_pad=%d T=%d ctx_bucket=%d (%d held)", *key,
                      len(self._graphs) + 1)  # fmt: skip

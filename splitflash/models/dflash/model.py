@@ -84,6 +84,11 @@ class DFlashDrafter(nn.Module):
         self._shared = _Shared(embed_tokens, lm_head_weight.detach())
 
     @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The target's LM head [V, D] the drafter's logits come from."""
+        return self._shared.lm_head_weight
+
+    @property
     def shared_devices(self) -> tuple[torch.device, torch.device]:
         """(embedding, LM head) devices of the target modules the drafter shares."""
         return self._shared.embed_tokens.weight.device, self._shared.lm_head_weight.device
@@ -279,10 +284,13 @@ class DFlashDrafter(nn.Module):
 
         return attend
 
-    def forward_block(self, ids: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
+    def forward_block(
+        self, ids: torch.Tensor, pos: torch.Tensor, attend, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [N, T-1, V] of blocks ids [N, T] at positions pos [N, T] (both on the
-        weights' device); attend(layer index, policy, q, k, v) -> [N, T, H, hd]. No host
-        sync inside: a CUDA graph captures this whole call (graphs.py)."""
+        weights' device), written into `out` if given; attend(layer index, policy, q, k, v)
+        -> [N, T, H, hd]. No host sync inside: a CUDA graph captures this whole call
+        (graphs.py)."""
         cfg = self.config
         w = self.fc.weight
         emb = self._shared.embed_tokens(ids.to(self._shared.embed_tokens.weight.device))
@@ -297,7 +305,7 @@ class DFlashDrafter(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h[:, 1:])  # the anchor's own position needs no logits
         head = self._shared.lm_head_weight
-        return h.to(device=head.device, dtype=head.dtype) @ head.T  # [N, T-1, V]
+        return torch.matmul(h.to(device=head.device, dtype=head.dtype), head.T, out=out)
 
     @torch.no_grad()
     def draft_batch(

@@ -94,5 +94,5 @@ def reference_draft(
         gate = torch.nn.functional.silu(y @ m.gate_proj.weight.T)
         h = h + (gate * (y @ m.up_proj.weight.T)) @ m.down_proj.weight.T
     h = _rms(h[1:], drafter.norm.weight, eps)
-    head = drafter._shared.lm_head_weight
+    head = drafter.lm_head_weight
     return h.to(head.dtype) @ head.T

@@ -1,0 +1,37 @@
+#!/bin/bash
+# Session 26. carry [".whl"].
+#   bash bench/gpu_s26.sh norm   RMSNorm row statistics of the norm linears: before the K loop
+#        (mode 0, shipped), inside it from the MMA operand (1), loaded before it and summed
+#        after (2): link time in a chain at M 16, then the verify step at 512 / 185k, the
+#        modes alternated twice, and the step's per-kernel profile at 185k q 16
+#   bash bench/gpu_s26.sh a | f  as bench/gpu_s25.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name --format=csv,noheader
+if [ "$1" = norm ]; then
+  timeout 150 python3 - <<'PY' 2>&1 | grep -v Warning
+import json, os
+from bench.linear_sweep import _steps, _chain_us
+rows = []
+for name in ("norm_qkv", "norm_gate_up"):
+    _, fused = _steps(name, 16)
+    for cfg in ((16, 64, 4, 4), (32, 64, 4, 4), (16, 128, 4, 3)):
+        line = []
+        for mode in (0, 1, 2, 0):
+            os.environ["SPLITFLASH_NORM_MODE"] = str(mode)
+            us = _chain_us(lambda c=cfg: fused(c), 60, 30)
+            rows.append(dict(shape=name, config=cfg, mode=mode, us=us)); line.append(f"m{mode} {us:5.2f}")
+        print(name, cfg, " ".join(line), flush=True)
+json.dump(rows, open(os.environ["OUT"] + "/norm_modes_chain.json", "w"), indent=1)
+PY
+  for i in 1 2; do for m in 0 1 2; do
+    SPLITFLASH_NORM_MODE=$m timeout 100 python3 -m bench.verify_step --contexts 512 185000 \
+      --q-lens 16 --reps 40 --json-out "$OUT/vs_norm${m}_$i.json" 2>&1 | grep -E "\] ctx" 
+  done; done
+  timeout 100 python3 -m bench.verify_step --contexts 185000 --q-lens 16 --reps 20 --profile \
+    --json-out "$OUT/vs_profile.json" 2>&1 | grep -vE "Warning" | tail -30
+  timeout 150 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py 2>&1 | tail -3
+elif [ "$1" = a ] || [ "$1" = f ]; then
+  bash bench/gpu_s25.sh "$1"
+fi
