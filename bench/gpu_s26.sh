@@ -4,12 +4,27 @@
 #        (mode 0, shipped), inside it from the MMA operand (1), loaded before it and summed
 #        after (2): link time in a chain at M 16, then the verify step at 512 / 185k, the
 #        modes alternated twice, and the step's per-kernel profile at 185k q 16
+#   bash bench/gpu_s26.sh mem    memory held per verify graph (bench.graph_memory) before
+#        (b7c3765 in before/) and after the graphs of one row count share their outputs,
+#        alternated twice; the GPU tests of graphs and warm-ups
 #   bash bench/gpu_s26.sh a | f  as bench/gpu_s25.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name --format=csv,noheader
-if [ "$1" = norm ]; then
+if [ "$1" = all ]; then  # one call of what matters most (device time was short): carry .whl, before
+  timeout 170 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py \
+    tests/unit/test_draft_graphs.py 2>&1 | tail -2
+  for t in before .; do
+    echo "== $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 70 python3 -m bench.graph_memory \
+      --batches 1 8 32 --q-lens 16 --contexts 512 3000 \
+      --json-out "$OUT/graph_memory_$(basename $(realpath $t)).json" 2>&1 | grep -E "B +[0-9]")
+  done
+  for m in 0 1 2 0; do
+    SPLITFLASH_NORM_MODE=$m timeout 75 python3 -m bench.verify_step --contexts 185000 512 \
+      --q-lens 16 --reps 30 --json-out "$OUT/vs_norm${m}_$SECONDS.json" 2>&1 | grep -E "\] ctx"
+  done
+elif [ "$1" = norm ]; then
   timeout 150 python3 - <<'PY' 2>&1 | grep -v Warning
 import json, os
 from bench.linear_sweep import _steps, _chain_us
@@ -32,6 +47,14 @@ PY
   timeout 100 python3 -m bench.verify_step --contexts 185000 --q-lens 16 --reps 20 --profile \
     --json-out "$OUT/vs_profile.json" 2>&1 | grep -vE "Warning" | tail -30
   timeout 150 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py 2>&1 | tail -3
+elif [ "$1" = mem ]; then  # carry also before/ (b7c3765's splitflash + this bench)
+  for t in before . before .; do
+    echo "== $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 100 python3 -m bench.graph_memory \
+      --batches 1 8 32 --q-lens 1 16 --contexts 512 3000 \
+      --json-out "$OUT/graph_memory_$(basename $(realpath $t)).json" 2>&1 | grep -E "B +[0-9]")
+  done
+  timeout 150 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py \
+    tests/unit/test_draft_graphs.py tests/unit/test_warmup.py 2>&1 | tail -3
 elif [ "$1" = a ] || [ "$1" = f ]; then
   bash bench/gpu_s25.sh "$1"
 fi
