@@ -1,18 +1,33 @@
 #!/bin/bash
-# Session 26. carry [".whl"].
-#   bash bench/gpu_s26.sh norm   RMSNorm row statistics of the norm linears: before the K loop
-#        (mode 0, shipped), inside it from the MMA operand (1), loaded before it and summed
-#        after (2): link time in a chain at M 16, then the verify step at 512 / 185k, the
-#        modes alternated twice, and the step's per-kernel profile at 185k q 16
-#   bash bench/gpu_s26.sh mem    memory held per verify graph (bench.graph_memory) before
-#        (b7c3765 in before/) and after the graphs of one row count share their outputs,
-#        alternated twice; the GPU tests of graphs and warm-ups
-#   bash bench/gpu_s26.sh a | f  as bench/gpu_s25.sh
+# Session 26 (no machine could be started in any of its tries: all of this is queued).
+# carry [".whl"]; `before/` travels as an untracked folder, made with
+#   mkdir before && git archive b7c3765 splitflash bench | tar -x -C before &&
+#   cp bench/graph_memory.py before/bench/ && rm -rf before/bench/results before/splitflash/assets
+#
+#   bash bench/gpu_s26.sh short   the GPU tests of the graphs (shared outputs under real
+#        capture, replayed in alternating order), then bench.graph_memory before (b7c3765)
+#        and after the graphs of one row count share their outputs
+#   bash bench/gpu_s26.sh mem     the same, alternated twice, plus the warm-up GPU tests
+#   git apply bench/patches/norm_stats_modes.patch, then bash bench/gpu_s26.sh norm (or all):
+#        where the norm linears take their rows' mean square (the patch adds the
+#        SPLITFLASH_NORM_MODE toggle for this measurement only): before the K loop (0, as
+#        shipped), inside it from the MMA operand (1), loaded before it and summed after (2);
+#        link time in a chain at M 16, the verify step at 512 / 185k alternated, and the
+#        step's per-kernel profile at 185k q 16
+#   bash bench/gpu_s26.sh a | f   as bench/gpu_s25.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name --format=csv,noheader
-if [ "$1" = all ]; then  # one call of what matters most (device time was short): carry .whl, before
+if [ "$1" = short ]; then  # the shared graph outputs under real capture, and their memory
+  timeout 170 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py \
+    tests/unit/test_draft_graphs.py 2>&1 | tail -2
+  for t in before .; do
+    echo "== $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 70 python3 -m bench.graph_memory \
+      --batches 1 8 32 --q-lens 16 --contexts 512 3000 \
+      --json-out "$OUT/graph_memory_$(basename $(realpath $t)).json" 2>&1 | grep -E "B +[0-9]")
+  done
+elif [ "$1" = all ]; then  # one call of what matters most (device time was short): carry .whl, before
   timeout 170 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py \
     tests/unit/test_draft_graphs.py 2>&1 | tail -2
   for t in before .; do
