@@ -19,26 +19,31 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name --format=csv,noheader
-if [ "$1" = short ]; then  # the shared graph outputs under real capture, and their memory
+graph_tests() {  # the GPU tests of the graphs (shared outputs under real capture), and $@
   timeout 170 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py \
-    tests/unit/test_draft_graphs.py 2>&1 | tail -2
-  for t in before .; do
-    echo "== $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 70 python3 -m bench.graph_memory \
-      --batches 1 8 32 --q-lens 16 --contexts 512 3000 \
-      --json-out "$OUT/graph_memory_$(basename $(realpath $t)).json" 2>&1 | grep -E "B +[0-9]")
+    tests/unit/test_draft_graphs.py "$@" 2>&1 | tail -2
+}
+graph_memory() {  # graph_memory in before/ and this tree, in the order given (q-lens $Q)
+  for t in "$@"; do
+    echo "== $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 100 python3 -m bench.graph_memory \
+      --batches 1 8 32 --q-lens ${Q:-16} --contexts 512 3000 \
+      --json-out "$OUT/graph_memory_$(basename $(realpath $t))_$SECONDS.json" 2>&1 \
+      | grep -E "B +[0-9]")
   done
-elif [ "$1" = all ]; then  # one call of what matters most (device time was short): carry .whl, before
-  timeout 170 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py \
-    tests/unit/test_draft_graphs.py 2>&1 | tail -2
-  for t in before .; do
-    echo "== $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 70 python3 -m bench.graph_memory \
-      --batches 1 8 32 --q-lens 16 --contexts 512 3000 \
-      --json-out "$OUT/graph_memory_$(basename $(realpath $t)).json" 2>&1 | grep -E "B +[0-9]")
+}
+norm_steps() {  # the verify step under each norm mode given (the patch applied)
+  for m in "$@"; do
+    SPLITFLASH_NORM_MODE=$m timeout 100 python3 -m bench.verify_step --contexts 512 185000 \
+      --q-lens 16 --reps 40 --json-out "$OUT/vs_norm${m}_$SECONDS.json" 2>&1 | grep -E "\] ctx"
   done
-  for m in 0 1 2 0; do
-    SPLITFLASH_NORM_MODE=$m timeout 75 python3 -m bench.verify_step --contexts 185000 512 \
-      --q-lens 16 --reps 30 --json-out "$OUT/vs_norm${m}_$SECONDS.json" 2>&1 | grep -E "\] ctx"
-  done
+}
+if [ "$1" = short ]; then
+  graph_tests
+  graph_memory before .
+elif [ "$1" = all ]; then  # one call of what matters most
+  graph_tests
+  graph_memory before .
+  norm_steps 0 1 2 0
 elif [ "$1" = norm ]; then
   timeout 150 python3 - <<'PY' 2>&1 | grep -v Warning
 import json, os
@@ -55,21 +60,13 @@ for name in ("norm_qkv", "norm_gate_up"):
         print(name, cfg, " ".join(line), flush=True)
 json.dump(rows, open(os.environ["OUT"] + "/norm_modes_chain.json", "w"), indent=1)
 PY
-  for i in 1 2; do for m in 0 1 2; do
-    SPLITFLASH_NORM_MODE=$m timeout 100 python3 -m bench.verify_step --contexts 512 185000 \
-      --q-lens 16 --reps 40 --json-out "$OUT/vs_norm${m}_$i.json" 2>&1 | grep -E "\] ctx" 
-  done; done
+  norm_steps 0 1 2 0 1 2
   timeout 100 python3 -m bench.verify_step --contexts 185000 --q-lens 16 --reps 20 --profile \
     --json-out "$OUT/vs_profile.json" 2>&1 | grep -vE "Warning" | tail -30
-  timeout 150 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py 2>&1 | tail -3
-elif [ "$1" = mem ]; then  # carry also before/ (b7c3765's splitflash + this bench)
-  for t in before . before .; do
-    echo "== $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 100 python3 -m bench.graph_memory \
-      --batches 1 8 32 --q-lens 1 16 --contexts 512 3000 \
-      --json-out "$OUT/graph_memory_$(basename $(realpath $t)).json" 2>&1 | grep -E "B +[0-9]")
-  done
-  timeout 150 python3 -m pytest -q -m gpu tests/unit/test_verify_graphs.py \
-    tests/unit/test_draft_graphs.py tests/unit/test_warmup.py 2>&1 | tail -3
+  graph_tests
+elif [ "$1" = mem ]; then
+  Q="1 16" graph_memory before . before .
+  graph_tests tests/unit/test_warmup.py
 elif [ "$1" = a ] || [ "$1" = f ]; then
   bash bench/gpu_s25.sh "$1"
 fi
