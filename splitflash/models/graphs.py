@@ -59,6 +59,16 @@ class CaptureStats:
         self._popped = (0, 0.0)
         self.evictions = 0
         self._evictions_popped = 0
+        self._side_stream: torch.cuda.Stream | None = None
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The one stream every capture's warm-up runs on. A new stream per capture would
+        cost a cuBLAS workspace each (torch keeps one per handle and stream, 32 MiB on
+        Hopper, never freed): the round robin of torch's stream pool made that up to 32
+        workspaces, 1 GiB held by the graph LRU in the end."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device)
+        return self._side_stream
 
     def timed_capture(self, capture, *args):
         t0 = time.perf_counter()
@@ -232,7 +242,7 @@ class VerifyGraphs(CaptureStats):
             return entry
         # Warm-up outside the capture: Triton compiles and autotunes here, on a side stream
         # as graph capture requires. It writes the same K/V the replay will (idempotent).
-        stream = torch.cuda.Stream(self.device)
+        stream = self.side_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):

@@ -212,7 +212,7 @@ class DraftGraphs(CaptureStats):
             # Warm-up outside the capture (compiles, autotunes), on a side stream as capture
             # requires. Besides reading the pool, a step writes the same context rows each
             # time: replaying it twice changes nothing.
-            stream = torch.cuda.Stream(dev)
+            stream = self.side_stream(dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 for _ in range(2):

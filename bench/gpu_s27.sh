@@ -1,0 +1,43 @@
+#!/bin/bash
+# Session 27 (H100). carry [".whl"], with bench/patches/norm_stats_modes.patch applied:
+#   bash bench/gpu_s27.sh ship   (`before/` = a6044d3's splitflash, bench and tests, plus
+#        tests/unit/test_graph_memory.py) the GPU tests of graphs and fused linears; the
+#        graph-memory test against before/ (where it must fail); bench.graph_memory before vs
+#        after one side stream per graph set; the verify step before vs after the shipped
+#        norm (whole rows loaded before the K loop, reduced after it), alternated; then
+#        gpu_s25.sh f
+#   bash bench/gpu_s27.sh norm8b   the norm-statistics modes 0 and 2 alternated on the verify
+#        step at Llama-3-8B's shape (K 4096: mode 2 holds a whole row across the K loop) and on
+#        the default model's q 1 step
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name --format=csv,noheader
+if [ "$1" = norm8b ]; then
+  for m in 0 2 0 2; do
+    echo "== mode $m"
+    SPLITFLASH_NORM_MODE=$m timeout 130 python3 -m bench.verify_step --shape llama3-8b \
+      --contexts 512 185000 --q-lens 16 --reps 20 \
+      --json-out "$OUT/vs8b_norm${m}_$SECONDS.json" 2>&1 | grep -E "\] ctx"
+  done
+  for m in 0 2 0 2; do
+    SPLITFLASH_NORM_MODE=$m timeout 60 python3 -m bench.verify_step --contexts 512 185000 \
+      --q-lens 1 --reps 40 2>&1 | grep -E "\] ctx" | sed "s/^/m$m /"
+  done
+elif [ "$1" = ship ]; then
+  timeout 240 python3 -m pytest -q -m gpu tests/unit/test_graph_memory.py \
+    tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py tests/unit/test_warmup.py \
+    tests/unit/test_kernels_fused_linear.py tests/unit/test_kernels_fused.py 2>&1 | tail -4
+  (cd before && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m pytest -q -m gpu \
+    tests/unit/test_graph_memory.py 2>&1 | grep -E "assert|passed|failed" | tail -6)
+  for t in before . ; do
+    echo "== graph_memory $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m \
+      bench.graph_memory --batches 1 8 --q-lens 16 --contexts 512 3000 20000 2>&1 | grep -E "B +[0-9]")
+  done
+  for t in before . before . ; do
+    (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m bench.verify_step \
+      --contexts 512 185000 --q-lens 16 1 --reps 40 2>&1 | grep -E "\] ctx" | sed "s|^|$t |")
+  done
+  timeout 200 python3 -m bench.verify_step --contexts 512 32768 --batches 4 8 --q-lens 16 \
+    --reps 20 --mixed-drafts --json-out "$OUT/verify_step_mixed.json" 2>&1 | tail -6
+fi

@@ -1,0 +1,81 @@
+"""What captured graphs keep on the GPU: a capture at a new KV bucket adds its static inputs,
+not a cuBLAS workspace. torch keeps one workspace per (cuBLAS handle, stream), 32 MiB on
+Hopper, for as long as the process lives; captures that each warmed up on a new stream
+grew the memory of a long-running service by one workspace per bucket (up to the 32
+streams of torch's pool). The memory check is read where the streams are new; the stream
+count holds wherever the test runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitflash.models.dflash.graphs import DraftGraphs
+from splitflash.models.dflash.pool import DraftKVPool
+from splitflash.services.verify.engine import VerifyInput
+from splitflash.services.verify.sampling import Sampling
+from tests.conftest import tiny_model
+from tests.unit.kernel_env import CUDA, INTERPRET
+from tests.unit.test_dflash_support import cfg_dict, make, shared
+from tests.unit.test_draft_graphs import grow
+from tests.unit.test_verify_graphs import _engine
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU, TRITON_INTERPRET unset"),
+]
+MIB = 1 << 20
+
+
+def _count_streams(monkeypatch) -> list:
+    made = []
+    real = torch.cuda.Stream
+
+    def counted(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(torch.cuda, "Stream", counted)
+    return made
+
+
+def test_verify_captures_at_new_buckets_share_one_side_stream(monkeypatch):
+    engine = _engine(tiny_model().to("cuda"), graphs=True, capture=True, pages=320)
+    for i, n in enumerate((40, 270, 600, 1100)):  # KV buckets 256, 512, 1024, 2048
+        engine.prefill(f"r{i}", [(7 * i + j) % 97 for j in range(n)], Sampling(), (), 10_000)
+    made = _count_streams(monkeypatch)
+    grown = []
+    for i in range(4):
+        seq = engine.seqs[f"r{i}"]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        (rep,) = engine.verify([VerifyInput(f"r{i}", len(seq.tokens), [1, 2, 3], 10_000)])
+        torch.cuda.synchronize()
+        assert rep.error is None
+        grown.append(torch.cuda.memory_allocated() - before)
+    assert engine.graphs.captures == 4 and len(made) <= 1
+    # The first capture may add the side stream's workspace and the shared outputs; the
+    # others add their static inputs and the committed KV (KBs for this tiny model).
+    assert max(grown[1:]) < 2 * MIB, [g / MIB for g in grown]
+
+
+def test_draft_captures_at_new_buckets_share_one_side_stream(monkeypatch):
+    drafter = make(cfg_dict(window=64)).cuda()
+    emb, head = shared(0)
+    drafter.attach_shared(torch.nn.Embedding.from_pretrained(emb.weight.cuda()), head.cuda())
+    pool = DraftKVPool(drafter, slots=4, context=4096)
+    graphs = DraftGraphs(drafter, pool, batch_sizes=(1,))
+    states = [pool.new_state() for _ in range(4)]
+    lengths = [20, 300, 700, 1500]  # context buckets 256, 512, 1024, 2048
+    grow(drafter, states, lengths, [0] * 4)
+    made = _count_streams(monkeypatch)
+    grown = []
+    for i, n in enumerate(lengths):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        logits = graphs.run([states[i]], [3], [n], 6)
+        del logits
+        torch.cuda.synchronize()
+        grown.append(torch.cuda.memory_allocated() - before)
+    assert graphs.captures == 4 and not graphs.failed and len(made) <= 1
+    assert max(grown[1:]) < 2 * MIB, [g / MIB for g in grown]
