@@ -24,9 +24,10 @@ if [ "$1" = norm8b ]; then
     SPLITFLASH_NORM_MODE=$m timeout 60 python3 -m bench.verify_step --contexts 512 185000 \
       --q-lens 1 --reps 40 2>&1 | grep -E "\] ctx" | sed "s/^/m$m /"
   done
-elif [ "$1" = ship ]; then
-  timeout 240 python3 -m pytest -q -m gpu tests/unit/test_graph_memory.py \
-    tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py tests/unit/test_warmup.py \
+elif [ "$1" = ship ] || [ "$1" = short ]; then  # short: without the warm-up tests, 2 runs, f
+  [ "$1" = ship ] && warm=tests/unit/test_warmup.py
+  timeout 240 python3 -m pytest -q -m gpu tests/unit/test_graph_memory.py $warm \
+    tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py \
     tests/unit/test_kernels_fused_linear.py tests/unit/test_kernels_fused.py 2>&1 | tail -4
   (cd before && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m pytest -q -m gpu \
     tests/unit/test_graph_memory.py 2>&1 | grep -E "assert|passed|failed" | tail -6)
@@ -34,10 +35,11 @@ elif [ "$1" = ship ]; then
     echo "== graph_memory $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m \
       bench.graph_memory --batches 1 8 --q-lens 16 --contexts 512 3000 20000 2>&1 | grep -E "B +[0-9]")
   done
-  for t in before . before . ; do
+  runs="before . before ."; [ "$1" = short ] && runs="before ."
+  for t in $runs; do
     (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m bench.verify_step \
       --contexts 512 185000 --q-lens 16 1 --reps 40 2>&1 | grep -E "\] ctx" | sed "s|^|$t |")
   done
-  timeout 200 python3 -m bench.verify_step --contexts 512 32768 --batches 4 8 --q-lens 16 \
-    --reps 20 --mixed-drafts --json-out "$OUT/verify_step_mixed.json" 2>&1 | tail -6
+  [ "$1" = ship ] && timeout 200 python3 -m bench.verify_step --contexts 512 32768 \
+    --batches 4 8 --q-lens 16 --reps 20 --mixed-drafts --json-out "$OUT/verify_step_mixed.json" 2>&1 | tail -6
 fi
