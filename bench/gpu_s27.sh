@@ -42,4 +42,12 @@ elif [ "$1" = ship ] || [ "$1" = short ]; then  # short: without the warm-up tes
   done
   [ "$1" = ship ] && timeout 200 python3 -m bench.verify_step --contexts 512 32768 \
     --batches 4 8 --q-lens 16 --reps 20 --mixed-drafts --json-out "$OUT/verify_step_mixed.json" 2>&1 | tail -6
+elif [ "$1" = min ]; then  # the graph-memory test here and in before/, graph_memory both
+  timeout 100 python3 -m pytest -q -m gpu tests/unit/test_graph_memory.py 2>&1 | tail -3
+  (cd before && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m pytest -q -m gpu \
+    tests/unit/test_graph_memory.py 2>&1 | grep -E "^E .*assert|passed|failed" | tail -6)
+  for t in before . ; do
+    echo "== graph_memory $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 50 python3 -m \
+      bench.graph_memory --batches 1 8 --q-lens 16 --contexts 512 3000 20000 2>&1 | grep -E "B +[0-9]")
+  done
 fi
