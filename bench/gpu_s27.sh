@@ -1,12 +1,17 @@
 #!/bin/bash
-# Session 27 (H100). carry [".whl"], with bench/patches/norm_stats_modes.patch applied:
+# Session 27 (H100). carry [".whl"]. `before/`: mkdir before && git archive a6044d3
+#   splitflash bench tests pyproject.toml | tar -x -C before && cp tests/unit/test_graph_memory.py
+#   before/tests/unit/ && rm -rf before/bench/results before/splitflash/assets
+#   bash bench/gpu_s27.sh min    the graph-memory tests here and in before/ (ran, session 27)
+#   bash bench/gpu_s27.sh short  ship without the warm-up tests, one before/after pass, f
 #   bash bench/gpu_s27.sh ship   (`before/` = a6044d3's splitflash, bench and tests, plus
 #        tests/unit/test_graph_memory.py) the GPU tests of graphs and fused linears; the
 #        graph-memory test against before/ (where it must fail); bench.graph_memory before vs
 #        after one side stream per graph set; the verify step before vs after the shipped
 #        norm (whole rows loaded before the K loop, reduced after it), alternated; then
 #        gpu_s25.sh f
-#   bash bench/gpu_s27.sh norm8b   the norm-statistics modes 0 and 2 alternated on the verify
+#   bash bench/gpu_s27.sh norm8b (ran; needs `git show a6044d3:bench/patches/norm_stats_modes.patch
+#        | git apply`)   the norm-statistics modes 0 and 2 alternated on the verify
 #        step at Llama-3-8B's shape (K 4096: mode 2 holds a whole row across the K loop) and on
 #        the default model's q 1 step
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -27,7 +27,7 @@ pytestmark = [
 MIB = 1 << 20
 
 
-def test_verify_captures_at_new_buckets_share_one_side_stream():
+def test_verify_captures_at_new_keys_add_kbs_not_a_cublas_workspace():
     engine = _engine(tiny_model().to("cuda"), graphs=True, capture=True, pages=128)
     for i, n in enumerate((40, 270)):  # KV buckets 256 and 512 (the model's context: 512)
         engine.prefill(f"r{i}", [(7 * i + j) % 97 for j in range(n)], Sampling(), (), 10_000)
@@ -46,7 +46,7 @@ def test_verify_captures_at_new_buckets_share_one_side_stream():
     assert max(grown[1:]) < 2 * MIB, [g / MIB for g in grown]
 
 
-def test_draft_captures_at_new_buckets_share_one_side_stream():
+def test_draft_captures_at_new_buckets_add_kbs_not_a_cublas_workspace():
     drafter = make(cfg_dict(window=64)).cuda()
     emb, head = shared(0)
     drafter.attach_shared(torch.nn.Embedding.from_pretrained(emb.weight.cuda()), head.cuda())
