@@ -18,6 +18,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name --format=csv,noheader
+memory_before_after() {  # the graph-memory test in before/ (it must fail), graph_memory both
+  (cd before && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m pytest -q -m gpu \
+    tests/unit/test_graph_memory.py 2>&1 | grep -E "^E .*assert|passed|failed" | tail -6)
+  for t in before . ; do
+    echo "== graph_memory $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m \
+      bench.graph_memory --batches 1 8 --q-lens 16 --contexts 512 3000 20000 2>&1 | grep -E "B +[0-9]")
+  done
+}
 if [ "$1" = norm8b ]; then
   for m in 0 2 0 2; do
     echo "== mode $m"
@@ -34,12 +42,7 @@ elif [ "$1" = ship ] || [ "$1" = short ]; then  # short: without the warm-up tes
   timeout 240 python3 -m pytest -q -m gpu tests/unit/test_graph_memory.py $warm \
     tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py \
     tests/unit/test_kernels_fused_linear.py tests/unit/test_kernels_fused.py 2>&1 | tail -4
-  (cd before && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m pytest -q -m gpu \
-    tests/unit/test_graph_memory.py 2>&1 | grep -E "assert|passed|failed" | tail -6)
-  for t in before . ; do
-    echo "== graph_memory $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m \
-      bench.graph_memory --batches 1 8 --q-lens 16 --contexts 512 3000 20000 2>&1 | grep -E "B +[0-9]")
-  done
+  memory_before_after
   runs="before . before ."; [ "$1" = short ] && runs="before ."
   for t in $runs; do
     (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m bench.verify_step \
@@ -49,10 +52,5 @@ elif [ "$1" = ship ] || [ "$1" = short ]; then  # short: without the warm-up tes
     --batches 4 8 --q-lens 16 --reps 20 --mixed-drafts --json-out "$OUT/verify_step_mixed.json" 2>&1 | tail -6
 elif [ "$1" = min ]; then  # the graph-memory test here and in before/, graph_memory both
   timeout 100 python3 -m pytest -q -m gpu tests/unit/test_graph_memory.py 2>&1 | tail -3
-  (cd before && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m pytest -q -m gpu \
-    tests/unit/test_graph_memory.py 2>&1 | grep -E "^E .*assert|passed|failed" | tail -6)
-  for t in before . ; do
-    echo "== graph_memory $t"; (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 50 python3 -m \
-      bench.graph_memory --batches 1 8 --q-lens 16 --contexts 512 3000 20000 2>&1 | grep -E "B +[0-9]")
-  done
+  memory_before_after
 fi
