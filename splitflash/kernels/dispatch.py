@@ -46,9 +46,22 @@ def paged_attention(
     scale: float,
     *,
     invariant: bool = False,  # batch-invariant kernel (paged_attention_invariant.py)
+    rope=None,  # kernels.rope_rows.RopeWrite: q is unrotated, the block's K/V not yet written
     **triton_kwargs,  # max_kv_len, max_q_len, num_splits: ignored by the reference
 ) -> torch.Tensor:  # [N, H, D]
     triton_ok, reason = use_triton(q)
+    if rope is not None and triton_ok and not invariant:
+        from splitflash.kernels.paged_attention import paged_attention_triton
+
+        _announce("paged_attention", "triton with RoPE + K/V write", reason)
+        return paged_attention_triton(
+            q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, scale, rope=rope,
+            **triton_kwargs,
+        )  # fmt: skip
+    if rope is not None:  # the two-pass way: its own RoPE + K/V-write launch first
+        from splitflash.kernels.fused_dispatch import rope_kv_write  # (it imports this module)
+
+        q = rope_kv_write(q, rope.k, rope.v, rope.cos, rope.sin, k_pages, v_pages, rope.slots)
     if triton_ok and invariant:
         from splitflash.kernels.paged_attention_invariant import paged_attention_invariant
 

@@ -20,8 +20,10 @@ import triton
 import triton.language as tl
 
 from splitflash.kernels.online_softmax import attend_tile, attend_tile_full
-from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, check_paged_inputs
+from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, RopeWrite, check_paged_inputs
 from splitflash.kernels.pdl import pdl_enabled
+from splitflash.kernels.rope_kv import check_rope_inputs
+from splitflash.kernels.rope_rows import block_kv_from_rows, rope_rows
 from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
     SPLIT_ALIGN,
@@ -109,8 +111,12 @@ def _paged_attn_kernel(
     out_ptr,  # [N, H, D] (written when DIRECT_OUT: a single split)
     part_out_ptr,  # [N, H, num_splits, D] fp32
     part_lse_ptr,  # [N, H, num_splits] fp32
+    kn_ptr, vn_ptr,  # ROPE: [N, H_KV, D] the block's unrotated k and its v (rope_rows.py)
+    cos_ptr, sin_ptr,  # ROPE: [N, D]
+    slots_ptr,  # ROPE: [N] flat KV slots the block's K/V are written to
     qk_scale,  # scale * log2(e): softmax in base 2
     stride_qn, stride_qh,
+    stride_kn, stride_knh, stride_vn, stride_vnh, stride_cn,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     max_pages, num_splits, m_tiles,
@@ -118,7 +124,7 @@ def _paged_attn_kernel(
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
-    SPLIT_ALIGN: tl.constexpr, TRIGGER: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr, TRIGGER: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
     if TRIGGER:  # the split combine may launch (PDL) once every program has started
         tl.extra.cuda.gdc_launch_dependents()
@@ -141,7 +147,13 @@ def _paged_attn_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     q_ptrs = q_ptr + (q0 + qi)[:, None] * stride_qn + head[:, None] * stride_qh
-    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    if ROPE:  # rounded as the RoPE kernel's q output is
+        cs_rows = (q0 + qi)[:, None] * stride_cn
+        q = rope_rows(q_ptrs, cs_rows, cos_ptr, sin_ptr, offs_d, q_mask, D // 2)
+        q = q.to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     anc = tl.load(anc_ptr + q0 + qi, mask=row_ok, other=0)  # [BLOCK_M] int64
@@ -186,12 +198,26 @@ def _paged_attn_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
     # Block keys (at most 64, so at most a tile or two): ancestor mask. Node j = t - prefix
     # is visible to a row iff bit j of the row's anc_bits is set.
+    # ROPE: their K/V from the step's rows, the first row tile writing them to the pages.
     for n0 in range(tl.maximum(start, prefix), end, BLOCK_N):
-        t, k, v = _load_kv_tile(
-            k_ptr, v_ptr, pages_ptr, n0, end, kv_head,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
-        )  # fmt: skip
+        if ROPE:
+            t = n0 + tl.arange(0, BLOCK_N)
+            k, v = block_kv_from_rows(
+                t, t < end, prefix, q0, kv_head, offs_d, d_ok,
+                kn_ptr, vn_ptr, stride_kn, stride_knh, stride_vn, stride_vnh,
+                cos_ptr, sin_ptr, stride_cn, slots_ptr,
+                k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                m_tile == 0, D // 2, PAGE,
+            )  # fmt: skip
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+        else:
+            t, k, v = _load_kv_tile(
+                k_ptr, v_ptr, pages_ptr, n0, end, kv_head,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
+            )  # fmt: skip
         j = tl.minimum(tl.maximum(t - prefix, 0), 63).to(tl.int64)
         bit = (anc[:, None] >> j[None, :]) & 1
         visible = (t < end)[None, :] & (bit != 0)  # [BLOCK_M, BLOCK_N]
@@ -232,8 +258,11 @@ def paged_attention_triton(
     num_splits: int | None = None,
     waves: float | None = None,
     config: tuple[int, int, int] | None = None,
+    rope: RopeWrite | None = None,
 ) -> torch.Tensor:  # [N, H, D]
-    """Same contract as paged_attention_ref. max_kv_len / max_q_len are upper bounds the
+    """Same contract as paged_attention_ref; with rope, that of rope_kv_write_ref (q, rope.k,
+    rope.v, ...) followed by paged_attention_ref on its rotated q (kernels/rope_rows.py).
+    max_kv_len / max_q_len are upper bounds the
     caller usually knows (scheduler); passing them avoids a device->host sync. Overrides for
     tests and sweeps: num_splits (split count), waves (programs per SM, see plan_splits),
     config = (BLOCK_N, num_warps, num_stages) instead of autotuning."""
@@ -248,6 +277,7 @@ def paged_attention_triton(
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     page_table = page_table.contiguous()
+    rope_args = _rope_args(q, rope, k_pages, v_pages)
     if max_kv_len is None:
         max_kv_len = int(kv_lens.max())
     if max_q_len is None:
@@ -270,8 +300,7 @@ def paged_attention_triton(
     cap = lp.capability
     args = (
         q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, out, part_out, part_lse,
-        scale * _LOG2E,
-        q.stride(0), q.stride(1),
+        *rope_args[:5], scale * _LOG2E, q.stride(0), q.stride(1), *rope_args[5:],
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         page_table.shape[1], n_splits, lp.m_tiles,
@@ -281,7 +310,7 @@ def paged_attention_triton(
         H=n_heads, G=group, D=head_dim, PAGE=page_size, BLOCK_M=lp.block_m,
         BLOCK_D=max(16, next_pow2(head_dim)), DIRECT_OUT=direct, UPCAST=upcast,
         DOT_IEEE=upcast, SPLIT_ALIGN=SPLIT_ALIGN,
-        TRIGGER=not direct and pdl_enabled(q.device),
+        TRIGGER=not direct and pdl_enabled(q.device), ROPE=rope is not None,
     )  # fmt: skip
     # Row tile fastest (see module docstring): programs sharing a key range run together.
     grid = (n_splits * lp.m_tiles, n_req, n_kv_heads)
@@ -294,3 +323,20 @@ def paged_attention_triton(
     if not direct:
         combine_splits(part_out, part_lse, out)
     return out
+
+
+def _rope_args(q: torch.Tensor, rope: RopeWrite | None, k_pages, v_pages) -> tuple:
+    """The kernel's RoPE pointers (k, v, cos, sin, slots) and strides (k row, k head, v row,
+    v head, cos row); q's and zeros where attention reads a rotated q and the pages only."""
+    if rope is None:
+        return (q, q, q, q, q, 0, 0, 0, 0, 0)
+    check_rope_inputs(q, rope.k, rope.v, rope.cos, rope.sin, k_pages, v_pages, rope.slots)
+    n, head_dim = q.shape[0], q.shape[2]
+    cos, sin = rope.cos.reshape(n, head_dim), rope.sin.reshape(n, head_dim)
+    if cos.stride(0) != sin.stride(0) or cos.stride(1) != 1 or sin.stride(1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.dtype != q.dtype or sin.dtype != q.dtype:  # rope_kv_write would promote q
+        raise ValueError(f"cos / sin must be q's dtype {q.dtype}, got {cos.dtype}, {sin.dtype}")
+    k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (rope.k, rope.v))
+    return (k, v, cos, sin, rope.slots.contiguous(),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0))  # fmt: skip

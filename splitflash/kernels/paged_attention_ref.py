@@ -9,9 +9,23 @@ themselves is materialised.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 MAX_Q_LEN = 64  # anc_bits is int64: one bit per block node
+
+
+@dataclass
+class RopeWrite:
+    """What attention needs to apply RoPE itself and write the block's K/V (same contract
+    as rope_kv_write's arguments); q passed to attention is then the unrotated q."""
+
+    k: torch.Tensor  # [N, H_KV, D] unrotated, any row / head strides, unit last stride
+    v: torch.Tensor  # [N, H_KV, D]
+    cos: torch.Tensor  # [N, 1, D] or [N, D]
+    sin: torch.Tensor  # [N, 1, D] or [N, D]
+    slots: torch.Tensor  # [N] flat slots (page * S + offset) of the rows' K/V
 
 
 def check_paged_inputs(

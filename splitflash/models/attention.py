@@ -15,6 +15,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from splitflash.kernels.fused_dispatch import rope_kv_write
+from splitflash.kernels.paged_attention_ref import RopeWrite
+
 log = logging.getLogger("splitflash.attention")
 
 MAX_TREE_Q = 64  # ancestor bitmasks are int64 rows
@@ -109,12 +112,20 @@ class PagedAttention:
             self.name += " (batch-invariant)"
         log.info("attention backend: %s (device %s)", self.name, device)
 
-    def __call__(self, q, k_pages, v_pages, meta: AttentionMeta, scale: float) -> torch.Tensor:
+    def __call__(
+        self, q, k_pages, v_pages, meta: AttentionMeta, scale: float, rope: RopeWrite | None = None
+    ) -> torch.Tensor:
+        """rope: q is unrotated and the block's K/V not yet in the pages; RoPE and the write
+        happen here (inside the attention kernel on the Triton fast path)."""
         if meta.anc_bits is None and max(meta.q_lens) > MAX_TREE_Q:
+            if rope is not None:
+                q = rope_kv_write(q, rope.k, rope.v, rope.cos, rope.sin, k_pages, v_pages,
+                                  rope.slots)  # fmt: skip
             return causal_attention_torch(q, k_pages, v_pages, meta, scale)
         bits = meta.anc_bits if meta.anc_bits is not None else causal_bits(meta.q_lens, q.device)
         kv_bound = meta.kv_bound if meta.kv_bound is not None else max(meta.kv_lens_list)
         return self._block_attention(
             q, k_pages, v_pages, meta.page_table, meta.kv_lens, meta.cu_q, bits, scale,
             max_kv_len=kv_bound, max_q_len=max(meta.q_lens), invariant=self.batch_invariant,
+            rope=rope,
         )  # fmt: skip

@@ -15,9 +15,9 @@ from splitflash.kernels.fused_dispatch import (
     linear_residual,
     norm_linear,
     rms_norm,
-    rope_kv_write,
     silu_mul,
 )
+from splitflash.kernels.paged_attention_ref import RopeWrite
 from splitflash.models.attention import MAX_TREE_Q, AttentionMeta, PagedAttention
 from splitflash.models.config import TargetConfig
 from splitflash.models.kv_cache import PagedKVCache
@@ -36,11 +36,21 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    """[head_dim / 2] fp32 RoPE frequencies."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+
+
+def rope_cos_sin(
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    inv_freq: torch.Tensor | None = None,  # rope_inv_freq's, if the caller keeps it
+):
     """positions [N] -> cos, sin [N, 1, head_dim] (HF rotate-half layout)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    )
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -82,10 +92,11 @@ class Attention(nn.Module):
             q, k = rms_norm(q, self.q_norm.weight, eps), rms_norm(k, self.k_norm.weight, eps)
         elif self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # RoPE on q and k fused with the K/V write into the pages (one kernel on CUDA; on
-        # CPU the reference, bit-equal to apply_rope + cache.write).
-        q = rope_kv_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], slots)
-        o = backend(q, cache.k[layer], cache.v[layer], meta, self.cfg.head_dim**-0.5)
+        # RoPE on q and k with the K/V write into the pages: inside the attention kernel on
+        # the Triton fast path, else one kernel before it (on CPU the reference, bit-equal
+        # to apply_rope + cache.write).
+        rope = RopeWrite(k, v, cos, sin, slots)
+        o = backend(q, cache.k[layer], cache.v[layer], meta, self.cfg.head_dim**-0.5, rope)
         return o.reshape(n, -1)
 
 
@@ -147,6 +158,7 @@ class TargetModel(nn.Module):
         # a prompt runs once, the same way in either decoding.
         self.batch_invariant = False
         self._backend_key: tuple | None = None
+        self._inv_freqs: dict[torch.device, torch.Tensor] = {}
 
     @property
     def backend(self) -> PagedAttention:
@@ -155,6 +167,13 @@ class TargetModel(nn.Module):
             self._backend = PagedAttention(key[0], batch_invariant=key[1])
             self._backend_key = key
         return self._backend
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """rope_inv_freq kept per device: five launches fewer a step. Not a buffer, since
+        .to(bf16) would round it."""
+        if device not in self._inv_freqs:
+            self._inv_freqs[device] = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, device)
+        return self._inv_freqs[device]
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up as this model stores them."""
@@ -188,7 +207,8 @@ class TargetModel(nn.Module):
         the logits (and the features, if any) into these tensors of the right shapes instead
         of new ones (CUDA graphs of one row count share them: models/graphs.py)."""
         x = self.embed_tokens(batch.token_ids)  # [N, D]
-        cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype,
+                                self._inv_freq(x.device))  # fmt: skip
         captured: dict[int, torch.Tensor] = {}
         eps = self.cfg.rms_norm_eps
         inv = self.batch_invariant and max(batch.meta.q_lens) <= MAX_TREE_Q  # a paged step
@@ -211,8 +231,8 @@ class TargetModel(nn.Module):
         rows = x if logits_rows is None else x[logits_rows]
         if inv:  # the norm's row reduction and the LM head's K loop fixed per row
             logits = norm_linear(rows, self.norm.weight, eps, self.lm_head.weight, any_rows=True)
-        else:
-            logits = self.lm_head(self.norm(rows))
+        else:  # one norm kernel on CUDA, not the module's eight elementwise launches
+            logits = self.lm_head(rms_norm(rows, self.norm.weight, eps))
         features = [captured[i] for i in hidden_layer_ids] if captured else []
         if out is None:
             hidden = torch.cat(features, -1) if features else None

@@ -1,0 +1,32 @@
+#!/bin/bash
+# Session 28 (H100 or H200). carry [".whl"].
+#   bash bench/gpu_s28.sh prof   the bf16 GPU tests of the fused linears and graphs, then
+#        the verify step's per-kernel profile at 512 and 185k (q 16) on this code
+#   bash bench/gpu_s28.sh ab     (`before/`: mkdir before && git archive 4caa56c splitflash
+#        bench | tar -x -C before) the GPU tests of attention with RoPE inside and of the
+#        graphs; the verify step before / after alternated; a profile of both at 185k q 16
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name --format=csv,noheader
+if [ "$1" = prof ]; then
+  timeout 240 python3 -m pytest -q -m gpu tests/unit/test_graph_memory.py \
+    tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py \
+    tests/unit/test_kernels_fused_linear.py tests/unit/test_kernels_fused.py 2>&1 | tail -4
+  timeout 150 python3 -m bench.verify_step --contexts 512 185000 --q-lens 16 --reps 40 \
+    --profile --json-out "$OUT/verify_step_profile_s28.json" 2>&1 | grep -v Warning | tail -60
+elif [ "$1" = ab ]; then
+  timeout 200 python3 -m pytest -q -m gpu tests/unit/test_kernels_paged_rope.py \
+    tests/unit/test_verify_graphs.py tests/unit/test_kernels_fused_linear.py 2>&1 | tail -4
+  for t in before . before . ; do
+    (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m bench.verify_step \
+      --contexts 512 185000 --q-lens 16 1 --reps 40 2>&1 | grep -E "\] ctx" | sed "s|^|$t |")
+  done
+  for t in before . ; do
+    name=after; [ $t = before ] && name=before
+    (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 90 python3 -m bench.verify_step \
+      --contexts 185000 --q-lens 16 --reps 20 --profile \
+      --json-out "$OUT/verify_step_profile_s28_$name.json" 2>&1 \
+      | grep -v Warning | grep -A32 "profile ctx" | sed "s|^|$t |")
+  done
+fi
