@@ -4,7 +4,9 @@
 #        the verify step's per-kernel profile at 512 and 185k (q 16) on this code
 #   bash bench/gpu_s28.sh ab     (`before/`: mkdir before && git archive 4caa56c splitflash
 #        bench | tar -x -C before) the GPU tests of attention with RoPE inside and of the
-#        graphs; the verify step before / after alternated; a profile of both at 185k q 16
+#        graphs; the verify step before / after / after with (64, 4, 3) attention tiles
+#        alternated; a profile of both at 185k q 16
+#   bash bench/gpu_s28.sh ab2    ab with the RoPE tests only and a profile of this code
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
@@ -15,14 +17,20 @@ if [ "$1" = prof ]; then
     tests/unit/test_kernels_fused_linear.py tests/unit/test_kernels_fused.py 2>&1 | tail -4
   timeout 150 python3 -m bench.verify_step --contexts 512 185000 --q-lens 16 --reps 40 \
     --profile --json-out "$OUT/verify_step_profile_s28.json" 2>&1 | grep -v Warning | tail -60
-elif [ "$1" = ab ]; then
-  timeout 200 python3 -m pytest -q -m gpu tests/unit/test_kernels_paged_rope.py \
-    tests/unit/test_verify_graphs.py tests/unit/test_kernels_fused_linear.py 2>&1 | tail -4
-  for t in before . before . ; do
-    (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m bench.verify_step \
-      --contexts 512 185000 --q-lens 16 1 --reps 40 2>&1 | grep -E "\] ctx" | sed "s|^|$t |")
+elif [ "$1" = ab ] || [ "$1" = ab2 ]; then  # ab2: the RoPE tests only, one profile
+  tests="tests/unit/test_verify_graphs.py tests/unit/test_kernels_fused_linear.py"
+  [ "$1" = ab2 ] && tests=
+  timeout 200 python3 -m pytest -q -m gpu tests/unit/test_kernels_paged_rope.py $tests \
+    2>&1 | tail -4
+  for t in before . c64 before . c64 ; do  # c64: this code, attention tiles (64, 4, 3)
+    cfg=; d=$t; [ $t = c64 ] && cfg=64,4,3 && d=.
+    (cd $d && SPLITFLASH_KERNEL_CONFIG=$cfg PYTHONPATH=$PWD:/tmp/site timeout 60 python3 -m \
+      bench.verify_step --contexts 512 185000 --q-lens 16 1 --reps 40 \
+      --json-out "$OUT/verify_step_s28_${t/./after}_$SECONDS.json" 2>&1 | grep -E "\] ctx" \
+      | sed "s|^|$t |")
   done
-  for t in before . ; do
+  profiled="before ."; [ "$1" = ab2 ] && profiled=.
+  for t in $profiled ; do
     name=after; [ $t = before ] && name=before
     (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 90 python3 -m bench.verify_step \
       --contexts 185000 --q-lens 16 --reps 20 --profile \

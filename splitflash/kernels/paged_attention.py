@@ -97,6 +97,15 @@ def _load_kv_full(
     return k, v
 
 
+@triton.jit
+def _block_visible(t, end, prefix, anc):
+    """[BLOCK_M, len(t)] which block keys t each row sees: node t - prefix must be in range
+    and an ancestor (bit set in the row's anc_bits [BLOCK_M] int64)."""
+    j = tl.minimum(tl.maximum(t - prefix, 0), 63).to(tl.int64)
+    bit = (anc[:, None] >> j[None, :]) & 1
+    return (t < end)[None, :] & (bit != 0)
+
+
 # Ints that vary per call but not per compiled kernel (autotune keys, grid shape): not
 # specialized, so e.g. 4 vs 16 splits do not compile two binaries.
 @triton.jit(do_not_specialize=["num_splits", "m_tiles", "KV_BUCKET", "Q_BUCKET", "CC"])
@@ -125,6 +134,7 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr, TRIGGER: tl.constexpr, ROPE: tl.constexpr,
+    ROPE_KEYS: tl.constexpr = 16,
 ):  # fmt: skip
     if TRIGGER:  # the split combine may launch (PDL) once every program has started
         tl.extra.cuda.gdc_launch_dependents()
@@ -198,10 +208,11 @@ def _paged_attn_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
     # Block keys (at most 64, so at most a tile or two): ancestor mask. Node j = t - prefix
     # is visible to a row iff bit j of the row's anc_bits is set.
-    # ROPE: their K/V from the step's rows, the first row tile writing them to the pages.
-    for n0 in range(tl.maximum(start, prefix), end, BLOCK_N):
-        if ROPE:
-            t = n0 + tl.arange(0, BLOCK_N)
+    if ROPE:  # K/V from the step's rows, the first row tile writing them to the pages; in
+        # 16-key tiles: at 128 keys the rotation's operands spilled (H100: attention 53 ->
+        # 66 us a layer at 185k keys)
+        for n0 in range(tl.maximum(start, prefix), end, ROPE_KEYS):
+            t = n0 + tl.arange(0, ROPE_KEYS)
             k, v = block_kv_from_rows(
                 t, t < end, prefix, q0, kv_head, offs_d, d_ok,
                 kn_ptr, vn_ptr, stride_kn, stride_knh, stride_vn, stride_vnh,
@@ -212,16 +223,17 @@ def _paged_attn_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-        else:
+            visible = _block_visible(t, end, prefix, anc)
+            m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
+    else:
+        for n0 in range(tl.maximum(start, prefix), end, BLOCK_N):
             t, k, v = _load_kv_tile(
                 k_ptr, v_ptr, pages_ptr, n0, end, kv_head,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
             )  # fmt: skip
-        j = tl.minimum(tl.maximum(t - prefix, 0), 63).to(tl.int64)
-        bit = (anc[:, None] >> j[None, :]) & 1
-        visible = (t < end)[None, :] & (bit != 0)  # [BLOCK_M, BLOCK_N]
-        m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
+            visible = _block_visible(t, end, prefix, anc)
+            m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l = 0: the split saw no visible key
     o = acc / l_safe[:, None]

@@ -1,6 +1,7 @@
 """Paged verify attention applying RoPE and writing the block's K/V itself (kernels/rope_rows.py):
 against the two-launch path it replaces (RoPE + K/V-write kernel, then attention over the
-pages), bit for bit, and against an fp64 oracle by the accuracy rule of DESIGN.md 9.
+pages: the same pages bit for bit) and against an fp64 oracle by the accuracy rule of
+DESIGN.md 9.
 
 Kernel tests run under TRITON_INTERPRET=1 on CPU (fp32, fp16) or natively on CUDA; bf16 needs
 a GPU.
@@ -78,16 +79,17 @@ def check_fused(case, rope, dtype, **kw):
     two, two_case = two_launches(case, rope, triton_attention)
     low, _ = two_launches(case, rope, paged_attention_ref)
     assert got.dtype == dtype and got.shape == case["q"].shape
-    # The same roundings as the two-launch path: equal outputs, equal pages (nan included:
-    # nothing else was written).
-    assert torch.equal(got, two)
+    # The same roundings as the two-launch path: equal pages (nan included: nothing else
+    # was written). The outputs fold the block's keys in 16-key tiles, not BLOCK_N ones: the
+    # online softmax's order differs, so they agree to rounding (the rule below, for both).
     for name in ("k_pages", "v_pages"):
         assert torch.equal(fused_case[name].nan_to_num(7.0), two_case[name].nan_to_num(7.0))
         assert not fused_case[name].flatten(0, 1)[rope.slots].isnan().any()
     want = fp64_oracle(case, rope)
-    err_kernel = (got.double().cpu() - want).abs().max().item()
     err_low = (low.double().cpu() - want).abs().max().item()
-    assert err_kernel <= 2 * err_low + ATOL[dtype], (err_kernel, err_low)
+    for out in (got, two):
+        err_kernel = (out.double().cpu() - want).abs().max().item()
+        assert err_kernel <= 2 * err_low + ATOL[dtype], (err_kernel, err_low)
 
 
 # (kv_lens, q_lens, H, H_KV, D, page size, forced splits or None): a block inside one split,
