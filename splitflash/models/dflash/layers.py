@@ -22,14 +22,22 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    """[hd/2] fp32 RoPE frequencies."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+    return 1.0 / (theta ** (exponents / head_dim))
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    inv_freq: torch.Tensor | None = None,  # [hd/2] fp32, if the caller keeps it
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [*positions.shape, hd] for absolute positions (computed in fp32)."""
-    inv_freq = 1.0 / (
-        theta
-        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
