@@ -7,6 +7,8 @@
 #        graphs; the verify step before / after / after with (64, 4, 3) attention tiles
 #        alternated; a profile of both at 185k q 16
 #   bash bench/gpu_s28.sh ab2    ab with the RoPE tests only and a profile of this code
+#   bash bench/gpu_s28.sh final  the GPU tests of graphs, warm-ups, the drafter and the RoPE
+#        attention; the verify step before / after alternated three times
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
@@ -36,5 +38,16 @@ elif [ "$1" = ab ] || [ "$1" = ab2 ]; then  # ab2: the RoPE tests only, one prof
       --contexts 185000 --q-lens 16 --reps 20 --profile \
       --json-out "$OUT/verify_step_profile_s28_$name.json" 2>&1 \
       | grep -v Warning | grep -A32 "profile ctx" | sed "s|^|$t |")
+  done
+elif [ "$1" = final ]; then  # the GPU tests the changes touch; before / after alternated
+  timeout 170 python3 -m pytest -q -m gpu tests/unit/test_kernels_paged_rope.py \
+    tests/unit/test_verify_graphs.py tests/unit/test_draft_graphs.py tests/unit/test_warmup.py \
+    tests/unit/test_dflash_triton_backend.py 2>&1 | tail -4
+  for t in before . before . before . ; do
+    name=after; [ $t = before ] && name=before
+    (cd $t && PYTHONPATH=$PWD:/tmp/site timeout 50 python3 -m bench.verify_step \
+      --contexts 512 185000 --q-lens 16 1 --reps 40 \
+      --json-out "$OUT/verify_step_s28_final_${name}_$SECONDS.json" 2>&1 | grep -E "\] ctx" \
+      | sed "s|^|$t |")
   done
 fi
