@@ -10,10 +10,12 @@ a GPU.
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 
+from splitflash.kernels import dispatch
 from splitflash.kernels.paged_attention_ref import RopeWrite, paged_attention_ref
 from splitflash.kernels.rope_kv import rope_kv_write_ref
 from tests.unit.kernel_env import ATOL, DEVICE, needs_gpu, needs_triton
@@ -132,3 +134,36 @@ def test_fused_rope_equals_two_launches_bf16_gpu(kv_lens, q_lens, heads, kv_head
                                                  splits):  # fmt: skip
     case, rope = make_rope_case(kv_lens, q_lens, heads, kv_heads, dim, page, torch.bfloat16)
     check_fused(case, rope, torch.bfloat16, num_splits=splits)
+
+
+def test_dispatcher_on_cpu_rotates_writes_then_attends(monkeypatch, caplog):
+    """The CPU serving path: RoPE + K/V write by the reference, then the attention reference,
+    bit for bit."""
+
+    monkeypatch.delenv("SPLITFLASH_FORCE_TRITON", raising=False)
+    dispatch._announce.cache_clear()
+    case, rope = make_rope_case([40, 9], [7, 1], 4, 2, 16, 16, torch.float32)
+    case = {k: v.cpu() if torch.is_tensor(v) else v for k, v in case.items()}
+    rope = RopeWrite(*(t.cpu() for t in (rope.k, rope.v, rope.cos, rope.sin, rope.slots)))
+    want, want_case = two_launches(case, rope, paged_attention_ref)
+    with caplog.at_level(logging.INFO, logger="splitflash.kernels"):
+        got = dispatch.paged_attention(**case, rope=rope)
+    assert torch.equal(got, want)
+    for name in ("k_pages", "v_pages"):
+        assert torch.equal(case[name].nan_to_num(7.0), want_case[name].nan_to_num(7.0))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("rope_kv_write: using torch reference" in m for m in msgs), msgs
+
+
+@needs_triton
+def test_dispatcher_forced_triton_takes_the_fused_kernel(monkeypatch, caplog):
+
+    monkeypatch.setenv("SPLITFLASH_FORCE_TRITON", "1")
+    dispatch._announce.cache_clear()
+    case, rope = make_rope_case([40], [7], 4, 2, 16, 16, torch.float32)
+    with caplog.at_level(logging.INFO, logger="splitflash.kernels"):
+        dispatch.paged_attention(**case, rope=rope)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("paged_attention: using triton with RoPE + K/V write" in m for m in msgs), msgs
+    assert not any("rope_kv_write" in m for m in msgs), msgs  # no separate launch
+    assert not case["k_pages"].flatten(0, 1)[rope.slots].isnan().any()  # written in place
