@@ -46,7 +46,7 @@ def paged_attention(
     scale: float,
     *,
     invariant: bool = False,  # batch-invariant kernel (paged_attention_invariant.py)
-    rope=None,  # kernels.rope_rows.RopeWrite: q is unrotated, the block's K/V not yet written
+    rope=None,  # paged_attention_ref.RopeWrite: q unrotated, the block's K/V not yet written
     **triton_kwargs,  # max_kv_len, max_q_len, num_splits: ignored by the reference
 ) -> torch.Tensor:  # [N, H, D]
     triton_ok, reason = use_triton(q)

@@ -8,7 +8,9 @@ head reads that K/V tile once (GQA). Keys are addressed per token through the pa
 so any page size works. The ancestor mask is computed from anc_bits for keys of the drafted
 block (the last q_len keys); prefix keys are never masked: full prefix tiles run with no
 mask at all, only the one partial tile where a split's prefix range ends checks bounds.
-Softmax statistics and accumulation are fp32.
+Softmax statistics and accumulation are fp32. With ROPE the kernel also rotates q and takes
+the block's keys from the step's projection rows, writing them into the pages
+(kernels/rope_rows.py): the step needs no RoPE + K/V-write launch of its own.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ import triton.language as tl
 from splitflash.kernels.online_softmax import attend_tile, attend_tile_full
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, RopeWrite, check_paged_inputs
 from splitflash.kernels.pdl import pdl_enabled
-from splitflash.kernels.rope_kv import check_rope_inputs
-from splitflash.kernels.rope_rows import block_kv_from_rows, rope_rows
+from splitflash.kernels.rope_rows import block_kv_from_rows, rope_kernel_args, rope_rows
 from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
     SPLIT_ALIGN,
@@ -274,8 +275,8 @@ def paged_attention_triton(
 ) -> torch.Tensor:  # [N, H, D]
     """Same contract as paged_attention_ref; with rope, that of rope_kv_write_ref (q, rope.k,
     rope.v, ...) followed by paged_attention_ref on its rotated q (kernels/rope_rows.py).
-    max_kv_len / max_q_len are upper bounds the
-    caller usually knows (scheduler); passing them avoids a device->host sync. Overrides for
+    max_kv_len / max_q_len are upper bounds the caller usually knows (scheduler); passing
+    them avoids a device->host sync. Overrides for
     tests and sweeps: num_splits (split count), waves (programs per SM, see plan_splits),
     config = (BLOCK_N, num_warps, num_stages) instead of autotuning."""
     group = check_paged_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits)
@@ -289,7 +290,7 @@ def paged_attention_triton(
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     page_table = page_table.contiguous()
-    rope_args = _rope_args(q, rope, k_pages, v_pages)
+    rope_args = rope_kernel_args(q, rope, k_pages, v_pages)
     if max_kv_len is None:
         max_kv_len = int(kv_lens.max())
     if max_q_len is None:
@@ -335,20 +336,3 @@ def paged_attention_triton(
     if not direct:
         combine_splits(part_out, part_lse, out)
     return out
-
-
-def _rope_args(q: torch.Tensor, rope: RopeWrite | None, k_pages, v_pages) -> tuple:
-    """The kernel's RoPE pointers (k, v, cos, sin, slots) and strides (k row, k head, v row,
-    v head, cos row); q's and zeros where attention reads a rotated q and the pages only."""
-    if rope is None:
-        return (q, q, q, q, q, 0, 0, 0, 0, 0)
-    check_rope_inputs(q, rope.k, rope.v, rope.cos, rope.sin, k_pages, v_pages, rope.slots)
-    n, head_dim = q.shape[0], q.shape[2]
-    cos, sin = rope.cos.reshape(n, head_dim), rope.sin.reshape(n, head_dim)
-    if cos.stride(0) != sin.stride(0) or cos.stride(1) != 1 or sin.stride(1) != 1:
-        cos, sin = cos.contiguous(), sin.contiguous()
-    if cos.dtype != q.dtype or sin.dtype != q.dtype:  # rope_kv_write would promote q
-        raise ValueError(f"cos / sin must be q's dtype {q.dtype}, got {cos.dtype}, {sin.dtype}")
-    k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (rope.k, rope.v))
-    return (k, v, cos, sin, rope.slots.contiguous(),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0))  # fmt: skip

@@ -16,8 +16,12 @@ gives.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from splitflash.kernels.paged_attention_ref import RopeWrite
+from splitflash.kernels.rope_kv import check_rope_inputs
 
 
 @triton.jit
@@ -41,9 +45,9 @@ def block_kv_from_rows(
     k_ptr, v_ptr, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     write, HALF: tl.constexpr, PAGE: tl.constexpr,
 ):  # fmt: skip
-    """K, V [BLOCK_N, BLOCK_D] of block keys at positions t (t_ok: in range) from the step's
-    projection rows q0 + t - prefix, K rotated; both in the pages' dtype. write (bool): also store
-    them into the pages at the rows' slots."""
+    """K, V [len(t), BLOCK_D] of block keys at positions t (t_ok: in range) from the step's
+    projection rows q0 + t - prefix, K rotated; both in the pages' dtype. write (bool): also
+    store them into the pages at the rows' slots."""
     row = (q0 + t - prefix).to(tl.int64)  # [BLOCK_N]
     mask = t_ok[:, None] & d_ok[None, :]
     k_rows = kn_ptr + row[:, None] * stride_kn + kv_head * stride_knh
@@ -59,3 +63,20 @@ def block_kv_from_rows(
         tl.store(k_dst + kv_head * stride_kh + offs_d[None, :], k, mask=mask)
         tl.store(v_dst + kv_head * stride_vh + offs_d[None, :], v, mask=mask)
     return k, v
+
+
+def rope_kernel_args(q: torch.Tensor, rope: RopeWrite | None, k_pages, v_pages) -> tuple:
+    """The attention kernel's RoPE pointers (k, v, cos, sin, slots) and strides (k row, k head,
+    v row, v head, cos row), checked; q's and zeros without rope (q rotated, pages only)."""
+    if rope is None:
+        return (q, q, q, q, q, 0, 0, 0, 0, 0)
+    check_rope_inputs(q, rope.k, rope.v, rope.cos, rope.sin, k_pages, v_pages, rope.slots)
+    n, head_dim = q.shape[0], q.shape[2]
+    cos, sin = rope.cos.reshape(n, head_dim), rope.sin.reshape(n, head_dim)
+    if cos.stride(0) != sin.stride(0) or cos.stride(1) != 1 or sin.stride(1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.dtype != q.dtype or sin.dtype != q.dtype:  # rope_kv_write would promote q
+        raise ValueError(f"cos / sin must be q's dtype {q.dtype}, got {cos.dtype}, {sin.dtype}")
+    k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (rope.k, rope.v))
+    return (k, v, cos, sin, rope.slots.contiguous(),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0))  # fmt: skip
