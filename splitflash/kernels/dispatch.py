@@ -50,7 +50,10 @@ def paged_attention(
     **triton_kwargs,  # max_kv_len, max_q_len, num_splits: ignored by the reference
 ) -> torch.Tensor:  # [N, H, D]
     triton_ok, reason = use_triton(q)
-    if rope is not None and triton_ok and not invariant:
+    # SPLITFLASH_ROPE_IN_ATTENTION=0: the separate RoPE + K/V-write launch, to measure or
+    # rule the fold out.
+    fold = os.environ.get("SPLITFLASH_ROPE_IN_ATTENTION", "1") != "0"
+    if rope is not None and triton_ok and not invariant and fold:
         from splitflash.kernels.paged_attention import paged_attention_triton
 
         _announce("paged_attention", "triton with RoPE + K/V write", reason)

@@ -167,3 +167,19 @@ def test_dispatcher_forced_triton_takes_the_fused_kernel(monkeypatch, caplog):
     assert any("paged_attention: using triton with RoPE + K/V write" in m for m in msgs), msgs
     assert not any("rope_kv_write" in m for m in msgs), msgs  # no separate launch
     assert not case["k_pages"].flatten(0, 1)[rope.slots].isnan().any()  # written in place
+
+
+@needs_triton
+def test_rope_in_attention_switch_off_takes_the_separate_launch(monkeypatch, caplog):
+    monkeypatch.setenv("SPLITFLASH_FORCE_TRITON", "1")
+    monkeypatch.setenv("SPLITFLASH_ROPE_IN_ATTENTION", "0")
+    dispatch._announce.cache_clear()
+    case, rope = make_rope_case([40], [7], 4, 2, 16, 16, torch.float32)
+    want, want_case = two_launches(case, rope, paged_attention_ref)
+    with caplog.at_level(logging.INFO, logger="splitflash.kernels"):
+        got = dispatch.paged_attention(**case, rope=rope)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("rope_kv_write: using triton" in m for m in msgs), msgs
+    assert not any("with RoPE" in m for m in msgs), msgs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(case["k_pages"].nan_to_num(7.0), want_case["k_pages"].nan_to_num(7.0))
