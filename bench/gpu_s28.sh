@@ -7,6 +7,8 @@
 #        graphs; the verify step before / after / after with (64, 4, 3) attention tiles
 #        alternated; a profile of both at 185k q 16
 #   bash bench/gpu_s28.sh ab2    ab with the RoPE tests only and a profile of this code
+#   bash bench/gpu_s28.sh fold   (not run yet; for the H200) the RoPE fold on and off by its
+#        switch, alternated three times, after its bf16 tests
 #   bash bench/gpu_s28.sh final  the GPU tests of graphs, warm-ups, the drafter and the RoPE
 #        attention; the verify step before / after alternated three times
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -38,6 +40,13 @@ elif [ "$1" = ab ] || [ "$1" = ab2 ]; then  # ab2: the RoPE tests only, one prof
       --contexts 185000 --q-lens 16 --reps 20 --profile \
       --json-out "$OUT/verify_step_profile_s28_$name.json" 2>&1 \
       | grep -v Warning | grep -A32 "profile ctx" | sed "s|^|$t |")
+  done
+elif [ "$1" = fold ]; then  # the fold alone (SPLITFLASH_ROPE_IN_ATTENTION), any GPU, no before/
+  timeout 120 python3 -m pytest -q -m gpu tests/unit/test_kernels_paged_rope.py 2>&1 | tail -2
+  for f in 0 1 0 1 0 1 ; do
+    SPLITFLASH_ROPE_IN_ATTENTION=$f timeout 50 python3 -m bench.verify_step --contexts 512 \
+      185000 --q-lens 16 1 --reps 40 --json-out "$OUT/verify_step_fold${f}_$SECONDS.json" \
+      2>&1 | grep -E "\] ctx" | sed "s|^|fold=$f |"
   done
 elif [ "$1" = final ]; then  # the GPU tests the changes touch; before / after alternated
   timeout 170 python3 -m pytest -q -m gpu tests/unit/test_kernels_paged_rope.py \
