@@ -23,6 +23,7 @@ import triton.language as tl
 
 from splitflash.kernels.online_softmax import attend_tile, attend_tile_full
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, RopeWrite, check_paged_inputs
+from splitflash.kernels.paged_tiles import LOG2E, load_kv_full, load_kv_tile, page_ids, visible_keys
 from splitflash.kernels.pdl import pdl_enabled
 from splitflash.kernels.rope_rows import block_kv_from_rows, rope_kernel_args, rope_rows
 from splitflash.kernels.split_combine import combine_splits
@@ -37,74 +38,6 @@ from splitflash.kernels.tuning import (
     plan_launch,
     q_bucket,
 )
-
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _load_kv_tile(
-    k_ptr, v_ptr, pages_ptr, n0, end, kv_head,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-    UPCAST: tl.constexpr,
-):  # fmt: skip
-    """Token positions t [BLOCK_N] from n0 and their K, V [BLOCK_N, BLOCK_D] (zeros past end),
-    read through the request's page-table row pages_ptr. For partial tiles."""
-    t = n0 + tl.arange(0, BLOCK_N)
-    t_ok = t < end
-    page = tl.load(pages_ptr + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-    slot = t % PAGE
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = t_ok[:, None] & (offs_d < D)[None, :]
-    k_off = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
-    v_off = page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :]
-    k = tl.load(k_ptr + k_off + kv_head * stride_kh, mask=mask, other=0.0)
-    v = tl.load(v_ptr + v_off + kv_head * stride_vh, mask=mask, other=0.0)
-    if UPCAST:  # the interpreter's bf16 is broken: fp32 right after the load
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return t, k, v
-
-
-@triton.jit
-def _page_ids(pages_ptr, t, last_page, PAGE: tl.constexpr):
-    """Physical page [BLOCK_N] int64 of token positions t; indices past last_page are
-    clamped to it, so a look-ahead past the range reads a valid entry and needs no mask."""
-    return tl.load(pages_ptr + tl.minimum(t // PAGE, last_page)).to(tl.int64)
-
-
-@triton.jit
-def _load_kv_full(
-    k_ptr, v_ptr, page, t, kv_head,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    PAGE: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """K, V [BLOCK_N, BLOCK_D] of a full tile: positions t [BLOCK_N] all in range, their
-    pages [BLOCK_N] already known. No bound checks (only the head dim when D < BLOCK_D)."""
-    slot = t % PAGE
-    offs_d = tl.arange(0, BLOCK_D)
-    k_off = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
-    v_off = page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :]
-    if BLOCK_D == D:
-        k = tl.load(k_ptr + k_off + kv_head * stride_kh)
-        v = tl.load(v_ptr + v_off + kv_head * stride_vh)
-    else:
-        d_ok = (offs_d < D)[None, :]
-        k = tl.load(k_ptr + k_off + kv_head * stride_kh, mask=d_ok, other=0.0)
-        v = tl.load(v_ptr + v_off + kv_head * stride_vh, mask=d_ok, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v
-
-
-@triton.jit
-def _block_visible(t, end, prefix, anc):
-    """[BLOCK_M, len(t)] which block keys t each row sees: node t - prefix must be in range
-    and an ancestor (bit set in the row's anc_bits [BLOCK_M] int64)."""
-    j = tl.minimum(tl.maximum(t - prefix, 0), 63).to(tl.int64)
-    bit = (anc[:, None] >> j[None, :]) & 1
-    return (t < end)[None, :] & (bit != 0)
 
 
 # Ints that vary per call but not per compiled kernel (autotune keys, grid shape): not
@@ -188,19 +121,19 @@ def _paged_attn_kernel(
     # stage on it and only double-buffers K/V, waiting for all copies every iteration (no
     # overlap of loads and math); carried, K/V get num_stages buffers.
     last_page = tl.maximum(p_end - 1, 0) // PAGE
-    page = _page_ids(pages_ptr, start + tl.arange(0, BLOCK_N), last_page, PAGE)  # [BLOCK_N]
+    page = page_ids(pages_ptr, start + tl.arange(0, BLOCK_N), last_page, PAGE)  # [BLOCK_N]
     for n0 in range(start, full_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
-        k, v = _load_kv_full(
+        k, v = load_kv_full(
             k_ptr, v_ptr, page, t, kv_head,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             PAGE, BLOCK_D, D, UPCAST,
         )  # fmt: skip
-        page = _page_ids(pages_ptr, t + BLOCK_N, last_page, PAGE)
+        page = page_ids(pages_ptr, t + BLOCK_N, last_page, PAGE)
         m_i, l_i, acc = attend_tile_full(q, k, v, m_i, l_i, acc, qk_scale, DOT_IEEE)
     # At most one partial prefix tile, where the prefix ends inside this split.
     if full_end < p_end:
-        t, k, v = _load_kv_tile(
+        t, k, v = load_kv_tile(
             k_ptr, v_ptr, pages_ptr, full_end, p_end, kv_head,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
@@ -224,16 +157,16 @@ def _paged_attn_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            visible = _block_visible(t, end, prefix, anc)
+            visible = visible_keys(t, end, prefix, anc)
             m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
     else:
         for n0 in range(tl.maximum(start, prefix), end, BLOCK_N):
-            t, k, v = _load_kv_tile(
+            t, k, v = load_kv_tile(
                 k_ptr, v_ptr, pages_ptr, n0, end, kv_head,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
             )  # fmt: skip
-            visible = _block_visible(t, end, prefix, anc)
+            visible = visible_keys(t, end, prefix, anc)
             m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l = 0: the split saw no visible key
@@ -313,7 +246,7 @@ def paged_attention_triton(
     cap = lp.capability
     args = (
         q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, out, part_out, part_lse,
-        *rope_args[:5], scale * _LOG2E, q.stride(0), q.stride(1), *rope_args[5:],
+        *rope_args[:5], scale * LOG2E, q.stride(0), q.stride(1), *rope_args[5:],
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         page_table.shape[1], n_splits, lp.m_tiles,

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from splitflash.kernels.online_softmax import attend_tile
-from splitflash.kernels.paged_attention import _LOG2E, _load_kv_full, _load_kv_tile, _page_ids
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, check_paged_inputs
+from splitflash.kernels.paged_tiles import LOG2E, load_kv_full, load_kv_tile, page_ids, visible_keys
 from splitflash.kernels.tuning import device_facts, interpreter_active, next_pow2
 
 # Granule sizes by key position: small ones at short contexts (enough programs), larger ones
@@ -100,15 +100,6 @@ def _granule_count(n, GRANULE_SMALL: tl.constexpr, SMALL_SPAN: tl.constexpr,
     g_large = n_mid + (n - MID_SPAN + GRANULE_LARGE - 1) // GRANULE_LARGE
     g_small = (n + GRANULE_SMALL - 1) // GRANULE_SMALL
     return tl.where(n <= SMALL_SPAN, g_small, tl.where(n <= MID_SPAN, g_mid, g_large))
-
-
-@triton.jit
-def _visible(t, end, prefix, anc):
-    """[BLOCK_M, BLOCK_N] keys t a row sees: prefix keys all; block node j = t - prefix iff
-    bit j of the row's ancestor bits anc [BLOCK_M]; nothing at or past end."""
-    j = tl.minimum(tl.maximum(t - prefix, 0), 63).to(tl.int64)
-    bit = (anc[:, None] >> j[None, :]) & 1
-    return (t < end)[None, :] & ((t < prefix)[None, :] | (bit != 0))
 
 
 @triton.jit(do_not_specialize=["n_granules", "n_programs", "m_tiles"])
@@ -191,34 +182,34 @@ def _invariant_attn_kernel(
         # bits (the same values, so the same fold, at a fraction of the integer work).
         pre_end = start + tl.maximum(tl.minimum(end, prefix) - start, 0) // BLOCK_N * BLOCK_N
         last_page = tl.maximum(end - 1, 0) // PAGE
-        page = _page_ids(pages_ptr, start + tl.arange(0, BLOCK_N), last_page, PAGE)
+        page = page_ids(pages_ptr, start + tl.arange(0, BLOCK_N), last_page, PAGE)
         for n0 in range(start, pre_end, BLOCK_N):
             t = n0 + tl.arange(0, BLOCK_N)
-            k, v = _load_kv_full(
+            k, v = load_kv_full(
                 k_ptr, v_ptr, page, t, kv_head,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 PAGE, BLOCK_D, D, UPCAST,
             )  # fmt: skip
-            page = _page_ids(pages_ptr, t + BLOCK_N, last_page, PAGE)
+            page = page_ids(pages_ptr, t + BLOCK_N, last_page, PAGE)
             visible = (t < end)[None, :] | (rows < 0)[:, None]  # [BLOCK_M, BLOCK_N], all true
             m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
         for n0 in range(pre_end, full_end, BLOCK_N):
             t = n0 + tl.arange(0, BLOCK_N)
-            k, v = _load_kv_full(
+            k, v = load_kv_full(
                 k_ptr, v_ptr, page, t, kv_head,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 PAGE, BLOCK_D, D, UPCAST,
             )  # fmt: skip
-            page = _page_ids(pages_ptr, t + BLOCK_N, last_page, PAGE)
-            visible = _visible(t, end, prefix, anc)
+            page = page_ids(pages_ptr, t + BLOCK_N, last_page, PAGE)
+            visible = visible_keys(t, end, prefix, anc)
             m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
         if full_end < end:  # the granule's (or the request's) last, partial tile
-            t, k, v = _load_kv_tile(
+            t, k, v = load_kv_tile(
                 k_ptr, v_ptr, pages_ptr, full_end, end, kv_head,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 PAGE, BLOCK_N, BLOCK_D, D, UPCAST,
             )  # fmt: skip
-            visible = _visible(t, end, prefix, anc)
+            visible = visible_keys(t, end, prefix, anc)
             m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_IEEE)
         # A granule past the row's keys (or the request's end) leaves l = 0: partial 0, lse
         # -inf, weight 0 in the combine.
@@ -326,7 +317,7 @@ def paged_attention_invariant(
     block_n, warps, stages = tile_config(head_dim)
     _invariant_attn_kernel[(n_prog * m_tiles, n_req, n_kv_heads)](
         q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, part_out, part_lse,
-        scale * _LOG2E,
+        scale * LOG2E,
         q.stride(0), q.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
