@@ -48,7 +48,7 @@ def block_kv_from_rows(
     """K, V [len(t), BLOCK_D] of block keys at positions t (t_ok: in range) from the step's
     projection rows q0 + t - prefix, K rotated; both in the pages' dtype. write (bool): also
     store them into the pages at the rows' slots."""
-    row = (q0 + t - prefix).to(tl.int64)  # [BLOCK_N]
+    row = (q0 + t - prefix).to(tl.int64)  # [len(t)]
     mask = t_ok[:, None] & d_ok[None, :]
     k_rows = kn_ptr + row[:, None] * stride_kn + kv_head * stride_knh
     k = rope_rows(k_rows, row[:, None] * stride_cn, cos_ptr, sin_ptr, offs_d, mask, HALF)
