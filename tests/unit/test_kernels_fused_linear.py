@@ -223,13 +223,14 @@ def test_dispatch_rule_and_logged_choice(monkeypatch, caplog):
 
 @needs_triton
 @pytest.mark.skipif(DEVICE != "cpu", reason="compares the interpreter with the CPU path")
-def test_target_forward_through_every_kernel_matches_reference_path(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: q/k norms before the RoPE
+def test_target_forward_through_every_kernel_matches_reference_path(monkeypatch, family):
     """Verify steps of a tiny model with every Triton kernel (interpreter) vs the CPU torch
     path: the same committed tokens and features to fp32 rounding."""
     from tests.conftest import tiny_model
     from tests.unit.test_verify_graphs import _engine, _run
 
-    model = tiny_model()
+    model = tiny_model(family)
     prompts, blocks = [[3, 1, 4, 1, 5, 9, 2], [2, 7]], [4, 1, 6]
     monkeypatch.delenv("SPLITFLASH_FORCE_TRITON", raising=False)
     want = _run(_engine(model, graphs=False), prompts, blocks, seed=3)
