@@ -223,7 +223,7 @@ def paged_attention_triton(
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     page_table = page_table.contiguous()
-    rope_args = rope_kernel_args(q, rope, k_pages, v_pages)
+    rope_ptrs, rope_strides = rope_kernel_args(q, rope, k_pages, v_pages)
     if max_kv_len is None:
         max_kv_len = int(kv_lens.max())
     if max_q_len is None:
@@ -246,7 +246,7 @@ def paged_attention_triton(
     cap = lp.capability
     args = (
         q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits, out, part_out, part_lse,
-        *rope_args[:5], scale * LOG2E, q.stride(0), q.stride(1), *rope_args[5:],
+        *rope_ptrs, scale * LOG2E, q.stride(0), q.stride(1), *rope_strides,
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         page_table.shape[1], n_splits, lp.m_tiles,

@@ -65,11 +65,13 @@ def block_kv_from_rows(
     return k, v
 
 
-def rope_kernel_args(q: torch.Tensor, rope: RopeWrite | None, k_pages, v_pages) -> tuple:
+def rope_kernel_args(
+    q: torch.Tensor, rope: RopeWrite | None, k_pages, v_pages
+) -> tuple[tuple, tuple]:
     """The attention kernel's RoPE pointers (k, v, cos, sin, slots) and strides (k row, k head,
     v row, v head, cos row), checked; q's and zeros without rope (q rotated, pages only)."""
     if rope is None:
-        return (q, q, q, q, q, 0, 0, 0, 0, 0)
+        return (q, q, q, q, q), (0, 0, 0, 0, 0)
     check_rope_inputs(q, rope.k, rope.v, rope.cos, rope.sin, k_pages, v_pages, rope.slots)
     n, head_dim = q.shape[0], q.shape[2]
     cos, sin = rope.cos.reshape(n, head_dim), rope.sin.reshape(n, head_dim)
@@ -78,5 +80,5 @@ def rope_kernel_args(q: torch.Tensor, rope: RopeWrite | None, k_pages, v_pages) 
     if cos.dtype != q.dtype or sin.dtype != q.dtype:  # rope_kv_write would promote q
         raise ValueError(f"cos / sin must be q's dtype {q.dtype}, got {cos.dtype}, {sin.dtype}")
     k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (rope.k, rope.v))
-    return (k, v, cos, sin, rope.slots.contiguous(),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0))  # fmt: skip
+    pointers = (k, v, cos, sin, rope.slots.contiguous())
+    return pointers, (k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0))

@@ -21,6 +21,7 @@ from splitflash.kernels.paged_attention_ref import RopeWrite
 from splitflash.models.attention import MAX_TREE_Q, AttentionMeta, PagedAttention
 from splitflash.models.config import TargetConfig
 from splitflash.models.kv_cache import PagedKVCache
+from splitflash.models.rope import RopeFrequencies, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -34,11 +35,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
-    """[head_dim / 2] fp32 RoPE frequencies."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
 
 
 def rope_cos_sin(
@@ -158,7 +154,7 @@ class TargetModel(nn.Module):
         # a prompt runs once, the same way in either decoding.
         self.batch_invariant = False
         self._backend_key: tuple | None = None
-        self._inv_freqs: dict[torch.device, torch.Tensor] = {}
+        self._rope_freqs = RopeFrequencies(cfg.head_dim, cfg.rope_theta)
 
     @property
     def backend(self) -> PagedAttention:
@@ -167,13 +163,6 @@ class TargetModel(nn.Module):
             self._backend = PagedAttention(key[0], batch_invariant=key[1])
             self._backend_key = key
         return self._backend
-
-    def _inv_freq(self, device: torch.device) -> torch.Tensor:
-        """rope_inv_freq kept per device: five launches fewer a step. Not a buffer, since
-        .to(bf16) would round it."""
-        if device not in self._inv_freqs:
-            self._inv_freqs[device] = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, device)
-        return self._inv_freqs[device]
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up as this model stores them."""
@@ -208,7 +197,7 @@ class TargetModel(nn.Module):
         of new ones (CUDA graphs of one row count share them: models/graphs.py)."""
         x = self.embed_tokens(batch.token_ids)  # [N, D]
         cos, sin = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype,
-                                self._inv_freq(x.device))  # fmt: skip
+                                self._rope_freqs.on(x.device))  # fmt: skip
         captured: dict[int, torch.Tensor] = {}
         eps = self.cfg.rms_norm_eps
         inv = self.batch_invariant and max(batch.meta.q_lens) <= MAX_TREE_Q  # a paged step

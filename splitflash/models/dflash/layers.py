@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitflash.models.dflash.config import DFlashConfig
+from splitflash.models.rope import rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -20,12 +21,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
-    """[hd/2] fp32 RoPE frequencies."""
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
-    return 1.0 / (theta ** (exponents / head_dim))
 
 
 def rope_cos_sin(

@@ -22,12 +22,7 @@ from splitflash.models.dflash.cache import (
     auto_attention_backend,
 )
 from splitflash.models.dflash.config import DFlashConfig
-from splitflash.models.dflash.layers import (
-    DFlashDecoderLayer,
-    RMSNorm,
-    rope_cos_sin,
-    rope_inv_freq,
-)
+from splitflash.models.dflash.layers import DFlashDecoderLayer, RMSNorm, rope_cos_sin
 from splitflash.models.dflash.policy import (
     LayerPolicy,
     WindowOverride,
@@ -35,6 +30,7 @@ from splitflash.models.dflash.policy import (
     policy_info,
     policy_string,
 )
+from splitflash.models.rope import RopeFrequencies
 
 
 class _Shared:
@@ -72,7 +68,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.feature_dim, d, bias=False)  # [D, K*D]
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self._inv_freqs: dict[torch.device, torch.Tensor] = {}
+        self._rope_freqs = RopeFrequencies(config.head_dim, config.rope_theta)
         self.attach_shared(embed_tokens, lm_head_weight)
 
     def attach_shared(self, embed_tokens: nn.Embedding, lm_head_weight: torch.Tensor) -> None:
@@ -141,14 +137,8 @@ class DFlashDrafter(nn.Module):
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
-        # Frequencies kept per device: five launches fewer a step. Not a buffer, which
-        # .to(bf16) would round.
-        if positions.device not in self._inv_freqs:
-            self._inv_freqs[positions.device] = rope_inv_freq(
-                cfg.head_dim, cfg.rope_theta, positions.device)  # fmt: skip
-        inv_freq = self._inv_freqs[positions.device]
         return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.fc.weight.dtype,
-                            inv_freq)  # fmt: skip
+                            self._rope_freqs.on(positions.device))  # fmt: skip
 
     def check_features(self, features: torch.Tensor) -> None:
         """ValueError unless features are [n, K*D] rows of this drafter's target layers."""
