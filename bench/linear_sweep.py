@@ -10,10 +10,14 @@ time per link = graph replay time / chain length, median of `--reps` replays.
 by K, never by M), timed at each of `--rows` (e.g. 1 16 128: a decode step, a block, eight).
 `--compare`: no sweep; at each of `--rows`, the unfused ops, the shipped configs on 16-row
 tiles and on 64-row tiles (`row_tile`: which height the fast path takes above one block).
+`--splits`: no sweep; the shipped configs at each split-K cap given (kernels/split_k.py; 0 =
+auto). `--cold`: the links of a chain rotate over copies of the weights, >= 256 MB in all,
+so they come from HBM as in a verify step (a chain over one weight reads it from L2).
 
     python -m bench.linear_sweep --json-out linear_sweep.json
     python -m bench.linear_sweep --invariant --rows 16 128 --json-out linear_sweep_inv.json
     python -m bench.linear_sweep --compare --rows 32 64 128 256 --json-out tiles.json
+    python -m bench.linear_sweep --splits 1 2 3 4 6 0 --cold --rows 1 16 32 --json-out sk.json
 """
 
 from __future__ import annotations
@@ -58,9 +62,16 @@ def _chain_us(step, chain: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _steps(name: str, m: int, invariant: bool = False):
-    """(unfused step, fused step(config)) for one shape; each reads the last output, so the
-    links of a chain depend on each other."""
+def _copies(name: str) -> int:
+    """Weight copies of a cold chain: >= 256 MB of bf16, past any L2."""
+    k, n, kind = SHAPES[name]
+    return -(-(256 << 20) // ((2 * n if kind == "swiglu" else n) * k * 2))
+
+
+def _steps(name: str, m: int, invariant: bool = False, cold: bool = False):
+    """(unfused step, fused step(config, block_m, split_k)) for one shape; each reads the last
+    output, so the links of a chain depend on each other. cold: each call takes the next of
+    enough weight copies to hold >= 256 MB."""
     import torch
     import torch.nn.functional as F
 
@@ -72,26 +83,34 @@ def _steps(name: str, m: int, invariant: bool = False):
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(m, k, device=dev, dtype=dt)
     nw = torch.ones(k, device=dev, dtype=dt)
-    w = torch.randn(2 * n if kind == "swiglu" else n, k, device=dev, dtype=dt) / k**0.5
+    rows_w = 2 * n if kind == "swiglu" else n
+    copies = _copies(name) if cold else 1
+    ws = [torch.randn(rows_w, k, device=dev, dtype=dt) / k**0.5 for _ in range(copies)]
+    turn = iter(range(1 << 62))
+
+    def w():  # the next copy (captured once per link: each link keeps its own)
+        return ws[next(turn) % copies]
+
     res = torch.randn(m, n, device=dev, dtype=dt)
     hidden = n if kind == "swiglu" else None
     if kind == "res":
 
         def unfused():
-            return res + F.linear(x, w)
+            return res + F.linear(x, w())
 
-        def fused(cfg, block_m=None):
-            return linear_residual_triton(x, w, res, config=cfg, invariant=invariant,
-                                          block_m=block_m)  # fmt: skip
+        def fused(cfg, block_m=None, split_k=None):
+            return linear_residual_triton(x, w(), res, config=cfg, invariant=invariant,
+                                          block_m=block_m, split_k=split_k)  # fmt: skip
     else:
 
         def unfused():
-            y = F.linear(rms_norm_triton(x, nw, 1e-5), w)
+            y = F.linear(rms_norm_triton(x, nw, 1e-5), w())
             return y if hidden is None else silu_mul_triton(y, hidden)
 
-        def fused(cfg, block_m=None):
-            return norm_linear_triton(x, nw, 1e-5, w, hidden, config=cfg, invariant=invariant,
-                                      block_m=block_m)  # fmt: skip
+        def fused(cfg, block_m=None, split_k=None):
+            return norm_linear_triton(x, nw, 1e-5, w(), hidden, config=cfg,
+                                      invariant=invariant, block_m=block_m,
+                                      split_k=split_k)  # fmt: skip
 
     return unfused, fused
 
@@ -99,7 +118,7 @@ def _steps(name: str, m: int, invariant: bool = False):
 def compare_tiles(ms: list[int], chain: int, reps: int) -> list[dict]:
     """us per link of each layer at each M: unfused, 16-row tiles (the fast configs), 64-row
     tiles (invariant_config); the per-layer sums printed last."""
-    from splitflash.kernels.fused_linear import invariant_config, launch_config
+    from splitflash.kernels.linear_tiles import invariant_config, launch_config
 
     rows = []
     for m in ms:
@@ -122,6 +141,33 @@ def compare_tiles(ms: list[int], chain: int, reps: int) -> list[dict]:
     return rows
 
 
+def _by_cap(times: dict) -> str:
+    return " ".join(f"s{cap or 'auto'} {us:6.2f}" for cap, us in times.items())
+
+
+def compare_splits(ms: list[int], caps: list[int], cold: bool, chain: int,
+                   reps: int) -> list[dict]:  # fmt: skip
+    """us per link of each layer at each M and split-K cap (0: auto), the shipped configs;
+    the per-layer sums printed last."""
+    from splitflash.kernels.linear_tiles import launch_config
+
+    rows = []
+    for m in ms:
+        total = dict.fromkeys(caps, 0.0)
+        for name in SHAPES:
+            _, fused = _steps(name, m, cold=cold)
+            cfg = launch_config(SHAPES[name][0])
+            links = max(chain, _copies(name)) if cold else chain  # every copy once a replay
+            times = {cap: _chain_us(lambda c=cap, f=fused, g=cfg: f(g, None, c or None), links,
+                                    reps) for cap in caps}  # fmt: skip
+            for cap, us in times.items():
+                total[cap] += us
+                rows.append(dict(rows_m=m, shape=name, split_cap=cap, cold=cold, us=us))
+            print(f"M {m:4d} {name:13s} " + _by_cap(times), flush=True)
+        print(f"M {m:4d} {'layer':13s} " + _by_cap(total))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -129,16 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[16])
     p.add_argument("--invariant", action="store_true", help="64-row batch-invariant tiles")
     p.add_argument("--compare", action="store_true", help="16- vs 64-row tiles, no sweep")
+    p.add_argument("--splits", type=int, nargs="+", default=None,
+                   help="split-K caps to time (0: auto), no sweep")  # fmt: skip
+    p.add_argument("--cold", action="store_true", help="weights from HBM, not L2")
     p.add_argument("--chain", type=int, default=60)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.linear_sweep needs a CUDA GPU")
-    from splitflash.kernels.fused_linear import invariant_config, launch_config
+    from splitflash.kernels.linear_tiles import invariant_config, launch_config
 
-    if args.compare:
-        rows = compare_tiles(args.rows, args.chain, args.reps)
+    if args.compare or args.splits:
+        rows = (compare_splits(args.rows, args.splits, args.cold, args.chain, args.reps)
+                if args.splits else compare_tiles(args.rows, args.chain, args.reps))  # fmt: skip
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump({"compare": True, "chain": args.chain, "results": rows}, f, indent=2)

@@ -8,7 +8,9 @@ own (~1.6 us each), as were the residual adds: 270 of a step's ~390 kernels. Her
 four linears are four kernels, with the norms, the activation and the adds inside them.
 
 Kernel shape: one program owns BLOCK_N output columns of BLOCK_M rows and walks all of K in
-BLOCK_K steps. RMSNorm is a per-row scale once its weight is folded into the linear weight
+BLOCK_K steps, or one of SPLIT_K slices of K on launches with too few tiles to fill the GPU
+(kernels/split_k.py: the tile's last program sums the slices and runs the epilogue).
+RMSNorm is a per-row scale once its weight is folded into the linear weight
 (`fold_norm_weight`, computed once and cached): the loop is a plain GEMM of x and W * nw,
 the row's rsqrt(mean(x^2) + eps) (from one load of whole rows) scales the result. Under
 programmatic dependent launch (kernels/pdl.py) the program first asks L2 for its whole
@@ -26,49 +28,35 @@ match the model to rounding, not bit for bit (the tests hold them to the fp64 ru
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from splitflash.kernels.fused_norm import rms_norm_ref
+from splitflash.kernels.linear_tiles import (
+    BLOCK_M,
+    INVARIANT_NORM_CHUNK,
+    LinearConfig,
+    LinearLaunch,
+    plan_launch,
+)
 from splitflash.kernels.online_softmax import dot_nt
 from splitflash.kernels.pdl import gdc_sync, pdl_launch, prefetch_l2
 from splitflash.kernels.silu_mul import silu_mul_ref
+from splitflash.kernels.split_k import (
+    arrival_counters,
+    arrive,
+    store_partial,
+    sum_partials,
+    workspace,
+)
 from splitflash.kernels.tuning import interpreter_active, next_pow2
 
 MAX_M = 256  # rows the fast path gives these kernels (bench.linear_sweep --compare); above, cuBLAS
-# K of the models measured (hidden / MLP width <= 2048): a program walks its whole K, so much
-# wider layers would be better served by cuBLAS's split-K tiles.
+# K of the models measured (hidden / MLP width <= 2048): a program (or a split of the K axis)
+# walks its K in one loop, so much wider layers would be better served by cuBLAS.
 MAX_K = 2048
-BLOCK_M = 16  # the smallest tl.dot tile; a 16-token block is one row tile
-# Batch-invariant steps (kernels/fused_dispatch.py, any_rows) take every M through one tile
-# config per layer (invariant_config), so a row's K order never depends on the batch. Rows:
-# 16 up to one verify block, else 64, the Hopper warpgroup MMA's tile: a batch of 8 blocks
-# (M = 128) is then two row tiles, where 16-row tiles re-read every weight tile from L2 eight
-# times. Measured on the H200 (bench/RESULTS.md): the invariant batch-8 step at 32k 5.62 ->
-# 4.93 ms; at batch 1, 64-row tiles would cost 0.03-0.08 ms a step. The two tile heights run
-# different MMA instructions (mma.sync, wgmma) over the same K chunks, and sum the norm's
-# squares over the same column chunks and layout; they gave the same bits in every probe,
-# and tests/unit/test_kernels_fused_linear.py checks it on the GPU. The fast path takes the
-# same 64-row tiles and configs above 32 rows (`row_tile`).
-WIDE_BLOCK_M = 64
-# The fast path's 16-row tiles up to this M. `bench.linear_sweep --compare` on the H200, a
-# layer's four linears per launch chain (us): at M 32, 16-row 16.3 vs 64-row 17.4; at M 64,
-# 23.9 vs 18.2; at M 128, 31.7 vs 18.6 (cuBLAS + the ops apart 22.3); at M 256, 54.6 vs
-# 21.4 (cuBLAS 22.9).
-FAST_NARROW_MAX_M = 32
-# The norm's row statistics of invariant and 64-row launches in chunks of this many columns,
-# at either tile height (whole rows, 64 x 1024 fp32, would not fit in registers).
-INVARIANT_NORM_CHUNK = 128
-
-
-def row_tile(m: int, invariant: bool) -> int:
-    """Rows of one program tile for a launch of m rows: 16 up to one verify block (or two on
-    the fast path), 64 above."""
-    return BLOCK_M if m <= (BLOCK_M if invariant else FAST_NARROW_MAX_M) else WIDE_BLOCK_M
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out_cols: int | None = None) -> None:
@@ -117,13 +105,13 @@ def linear_residual_ref(
 
 
 @triton.jit
-def _prefetch_tile_l2(w_ptr, row0, n_rows, stride_w, K, BLOCK_N: tl.constexpr,
+def _prefetch_tile_l2(w_ptr, row0, n_rows, stride_w, k_lo, k_hi, BLOCK_N: tl.constexpr,
                       LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):  # fmt: skip
-    """Ask L2 for rows row0 + [0, BLOCK_N) of w, all K columns: one `prefetch.global.L2` per
-    128-byte line (addresses clamped into the tile, so the padding lanes re-ask valid lines).
-    No registers hold the data, so the whole tile can be requested before gdc_wait."""
+    """Ask L2 for rows row0 + [0, BLOCK_N) of w, columns [k_lo, k_hi): one `prefetch.global.L2`
+    per 128-byte line (addresses clamped into the tile, so the padding lanes re-ask valid
+    lines). No registers hold the data, so the whole tile can be requested before gdc_wait."""
     rows = tl.minimum(row0 + tl.arange(0, BLOCK_N), n_rows - 1).to(tl.int64)
-    cols = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, K - 1)
+    cols = tl.minimum(k_lo + tl.arange(0, LINES) * LINE_ELEMS, k_hi - 1)
     prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])  # [BLOCK_N, LINES]
 
 
@@ -141,18 +129,22 @@ def _norm_linear_kernel(
     w_ptr,  # [N_W, K] with the norm weight folded in (fold_norm_weight): N_W = N, or 2 * N
     #         for SwiGLU (gate rows, then up rows)
     out_ptr,  # [M, N] contiguous
-    M, N, K, stride_x, stride_w, eps,
+    ws_ptr, counter_ptr,  # SPLIT_K > 1: fp32 partials [1 or 2, SPLIT_K, M, N], arrival counters
+    M, N, K, K_SPLIT, stride_x, stride_w, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_CHUNK: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     SWIGLU: tl.constexpr, UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, USE_GDC: tl.constexpr,
     WHOLE_ROWS: tl.constexpr,  # NORM_CHUNK >= K: the tile's rows are loaded in one piece
+    SPLIT_K: tl.constexpr,  # programs along K per tile (grid axis 2), kernels/split_k.py
 ):  # fmt: skip
     n0 = tl.program_id(0) * BLOCK_N
+    k_lo = tl.program_id(2) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     w_up_ptr = w_ptr + N.to(tl.int64) * stride_w  # SwiGLU: the up rows
     if USE_GDC:  # the weights depend on no kernel: fetch them while the previous one drains
-        _prefetch_tile_l2(w_ptr, n0, N, stride_w, K, BLOCK_N, LINES, LINE_ELEMS)
+        _prefetch_tile_l2(w_ptr, n0, N, stride_w, k_lo, k_hi, BLOCK_N, LINES, LINE_ELEMS)
         if SWIGLU:
-            _prefetch_tile_l2(w_up_ptr, n0, N, stride_w, K, BLOCK_N, LINES, LINE_ELEMS)
+            _prefetch_tile_l2(w_up_ptr, n0, N, stride_w, k_lo, k_hi, BLOCK_N, LINES, LINE_ELEMS)
     gdc_sync(USE_GDC)  # kernels/pdl.py
 
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -163,7 +155,8 @@ def _norm_linear_kernel(
     # WHOLE_ROWS (16-row tiles, or K <= 128): the whole rows are loaded before the loop and
     # reduced after it, so the loop's first loads need not wait for that reduction (3.1 vs
     # 4.2 us a link at M 16, an H100, session 27). Wider tiles: chunk by chunk before the
-    # loop, as 64 whole rows held across it would not fit in registers.
+    # loop, as 64 whole rows held across it would not fit in registers. Split programs each
+    # take the whole rows' statistics (an L2 read of 16 rows), whichever ends up last.
     ss = tl.zeros([BLOCK_M], tl.float32)
     if WHOLE_ROWS:
         x_rows = _load_rows(x_ptr, rows, row_ok, stride_x, tl.arange(0, NORM_CHUNK), K, False)
@@ -176,17 +169,28 @@ def _norm_linear_kernel(
     w_ok = wrows < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = _load_rows(x_ptr, rows, row_ok, stride_x, k, K, UPCAST)  # [BLOCK_M, BLOCK_K]
-        w = _load_rows(w_ptr, wrows, w_ok, stride_w, k, K, UPCAST)  # [BLOCK_N, BLOCK_K]
+        a = _load_rows(x_ptr, rows, row_ok, stride_x, k, k_hi, UPCAST)  # [BLOCK_M, BLOCK_K]
+        w = _load_rows(w_ptr, wrows, w_ok, stride_w, k, k_hi, UPCAST)  # [BLOCK_N, BLOCK_K]
         acc += dot_nt(a, w, DOT_IEEE)
         if SWIGLU:
-            w = _load_rows(w_up_ptr, wrows, w_ok, stride_w, k, K, UPCAST)
+            w = _load_rows(w_up_ptr, wrows, w_ok, stride_w, k, k_hi, UPCAST)
             acc_up += dot_nt(a, w, DOT_IEEE)
     if WHOLE_ROWS:
         x_rows = x_rows.to(tl.float32)
         ss += tl.sum(x_rows * x_rows, axis=1)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    if SPLIT_K > 1:  # the tile's last program sums the partials; the others store nothing
+        store_partial(ws_ptr, acc, rows, cols, mask, M, N, 0, SPLIT_K)
+        if SWIGLU:
+            store_partial(ws_ptr, acc_up, rows, cols, mask, M, N, 1, SPLIT_K)
+        last = arrive(counter_ptr, SPLIT_K)
+        mask = tl.where(last, mask, False)
+        acc = sum_partials(ws_ptr, rows, cols, mask, M, N, 0, SPLIT_K, BLOCK_M, BLOCK_N)
+        if SWIGLU:
+            acc_up = sum_partials(ws_ptr, rows, cols, mask, M, N, 1, SPLIT_K, BLOCK_M, BLOCK_N)
     inv = tl.rsqrt(ss / K + eps)[:, None]  # [BLOCK_M, 1]
     oty = out_ptr.dtype.element_ty
     # RMSNorm is a per-row scale: x @ (W * nw).T times the row's rsqrt(mean(x^2) + eps).
@@ -194,9 +198,7 @@ def _norm_linear_kernel(
     if SWIGLU:
         s = (y / (1.0 + tl.exp(-y))).to(oty).to(tl.float32)  # F.silu rounds
         y = s * (acc_up * inv).to(oty).to(tl.float32)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    dst = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(dst, y.to(oty), mask=row_ok[:, None] & (cols < N)[None, :])
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], y.to(oty), mask=mask)
 
 
 @triton.jit
@@ -205,14 +207,18 @@ def _linear_residual_kernel(
     w_ptr,  # [N, K]
     res_ptr,  # [M, N]
     out_ptr,  # [M, N] contiguous
-    M, N, K, stride_a, stride_w, stride_r,
+    ws_ptr, counter_ptr,  # SPLIT_K > 1: fp32 partials [1, SPLIT_K, M, N], arrival counters
+    M, N, K, K_SPLIT, stride_a, stride_w, stride_r,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_IEEE: tl.constexpr, USE_GDC: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs along K per tile (grid axis 2), kernels/split_k.py
 ):  # fmt: skip
     n0 = tl.program_id(0) * BLOCK_N
+    k_lo = tl.program_id(2) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     if USE_GDC:  # the weights depend on no kernel: fetch them while the previous one drains
-        _prefetch_tile_l2(w_ptr, n0, N, stride_w, K, BLOCK_N, LINES, LINE_ELEMS)
+        _prefetch_tile_l2(w_ptr, n0, N, stride_w, k_lo, k_hi, BLOCK_N, LINES, LINE_ELEMS)
     gdc_sync(USE_GDC)  # kernels/pdl.py
 
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -220,69 +226,23 @@ def _linear_residual_kernel(
     wrows = n0 + tl.arange(0, BLOCK_N)
     w_ok = wrows < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = _load_rows(a_ptr, rows, row_ok, stride_a, k, K, UPCAST)  # [BLOCK_M, BLOCK_K]
-        w = _load_rows(w_ptr, wrows, w_ok, stride_w, k, K, UPCAST)  # [BLOCK_N, BLOCK_K]
+        a = _load_rows(a_ptr, rows, row_ok, stride_a, k, k_hi, UPCAST)  # [BLOCK_M, BLOCK_K]
+        w = _load_rows(w_ptr, wrows, w_ok, stride_w, k, k_hi, UPCAST)  # [BLOCK_N, BLOCK_K]
         acc += dot_nt(a, w, DOT_IEEE)
     cols = n0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < N)[None, :]
+    if SPLIT_K > 1:  # the tile's last program sums the partials; the others store nothing
+        store_partial(ws_ptr, acc, rows, cols, mask, M, N, 0, SPLIT_K)
+        last = arrive(counter_ptr, SPLIT_K)
+        mask = tl.where(last, mask, False)
+        acc = sum_partials(ws_ptr, rows, cols, mask, M, N, 0, SPLIT_K, BLOCK_M, BLOCK_N)
     r = tl.load(res_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=mask,
                 other=0.0).to(tl.float32)  # fmt: skip
     oty = out_ptr.dtype.element_ty
     y = r + acc.to(oty).to(tl.float32)  # the projection is rounded before the add
     tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], y.to(oty), mask=mask)
-
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of one launch.
-LinearConfig = tuple[int, int, int, int]
-# The tile configs of batch-invariant launches, by K (a property of the layer): never chosen
-# by M or environment, since a config is part of a row's rounding. H200 sweeps
-# (`bench.linear_sweep --invariant --rows 1 16 128`, bench/RESULTS.md): (32, 128, 4, 3) best
-# or within 0.1 us of it for every layer at M 16 and 128; at K 1536 (down) 256-wide K steps
-# take 1.1 us off its 4.5 at M 1.
-INVARIANT_CONFIG: LinearConfig = (32, 128, 4, 3)
-INVARIANT_CONFIG_WIDE_K: LinearConfig = (32, 256, 4, 3)  # K > 1024
-
-
-def invariant_config(k: int) -> LinearConfig:
-    """The tile config of a batch-invariant launch over K input features."""
-    return INVARIANT_CONFIG if k <= 1024 else INVARIANT_CONFIG_WIDE_K
-
-
-def launch_config(k: int, config: LinearConfig | None = None) -> LinearConfig:
-    """The tile config of a launch: `config` if given, else SPLITFLASH_LINEAR_CONFIG, else the
-    H200 sweep's picks (bench/linear_sweep.py, bench/RESULTS.md; time per launch inside a
-    chain of dependent launches, the default model's layers at M 16):
-    - K <= 1024: (16, 64, 4, 4), 2.3 us at 576 -> 576 + residual (cuBLAS + add: 4.3 us).
-      The norm kernels take it too: with the norm weight folded they run the same K loop
-      (the sweep ran before the fold, when their best was (32, 64, 4, 4) at 5.1-5.6 us).
-    - wider K: (32, 256, 4, 3), 3.5 us at 1536 -> 576 + residual (cuBLAS + add: 5.6 us)."""
-    if config is not None:
-        return config
-    text = os.environ.get("SPLITFLASH_LINEAR_CONFIG", "").strip()  # one config, for sweeps
-    if text:
-        try:
-            block_n, block_k, warps, stages = (int(v) for v in text.split(","))
-        except ValueError:
-            raise ValueError("SPLITFLASH_LINEAR_CONFIG must be BLOCK_N,BLOCK_K,warps,stages "
-                             f"(e.g. 16,128,4,3), got {text!r}") from None  # fmt: skip
-        return block_n, block_k, warps, stages
-    return (16, 64, 4, 4) if k <= 1024 else (32, 256, 4, 3)
-
-
-def _tile_meta(t: torch.Tensor, k: int, config: LinearConfig | None, invariant: bool,
-               m: int, block_m: int | None) -> dict:  # fmt: skip
-    block_m = block_m or row_tile(m, invariant)
-    if invariant or block_m > BLOCK_M:  # 64-row tiles: invariant_config was best at M 128
-        config = config or invariant_config(k)
-    else:
-        config = launch_config(k, config)
-    block_n, block_k, warps, stages = config
-    line_elems = max(1, 128 // t.element_size())  # elements per 128-byte L2 line
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                num_stages=stages, LINE_ELEMS=line_elems,
-                LINES=next_pow2(-(-k // line_elems)))  # fmt: skip
 
 
 def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -305,6 +265,16 @@ def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.T
     return folded
 
 
+def _split_buffers(launch: LinearLaunch, planes: int, m: int, n: int,
+                   out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(partials workspace, arrival counters) of a split launch; `out` stands in for both
+    (never touched) when the launch is not split."""
+    splits = launch.grid[2]
+    if splits == 1:
+        return out, out
+    return workspace(planes, splits, m, n, out.device), arrival_counters(out.device)
+
+
 def _precision(x: torch.Tensor) -> dict:
     upcast = interpreter_active() or x.dtype == torch.float32
     return dict(UPCAST=upcast, DOT_IEEE=upcast)
@@ -319,6 +289,7 @@ def norm_linear_triton(
     config: LinearConfig | None = None,
     invariant: bool = False,  # batch-invariant tiles (invariant_config, 16 or 64 rows)
     block_m: int | None = None,  # rows per program tile (sweeps); None: row_tile
+    split_k: int | None = None,  # at most this many K splits; None: SPLITFLASH_LINEAR_SPLIT_K
 ) -> torch.Tensor:  # [M, N] or [M, I], x's dtype
     """Same contract as norm_linear_ref, for inputs that `fits`."""
     _check(x, weight, swiglu_hidden)
@@ -328,15 +299,15 @@ def norm_linear_triton(
     m, k = x.shape
     n = weight.shape[0] if swiglu_hidden is None else swiglu_hidden
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    meta = _tile_meta(weight, k, config, invariant, m, block_m)
-    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
+    launch = plan_launch(weight, m, n, k, config, invariant, block_m, split_k)
+    ws, counters = _split_buffers(launch, 1 if swiglu_hidden is None else 2, m, n, out)
     folded = fold_norm_weight(weight, norm_weight)
-    wide = invariant or meta["BLOCK_M"] > BLOCK_M
+    wide = invariant or launch.meta["BLOCK_M"] > BLOCK_M
     chunk = INVARIANT_NORM_CHUNK if wide else max(16, next_pow2(k))
-    _norm_linear_kernel[grid](
-        x, folded, out, m, n, k, x.stride(0), folded.stride(0), float(eps),
-        SWIGLU=swiglu_hidden is not None, NORM_CHUNK=chunk, WHOLE_ROWS=chunk >= k, **meta,
-        **_precision(x), **pdl_launch(x.device),
+    _norm_linear_kernel[launch.grid](
+        x, folded, out, ws, counters, m, n, k, launch.k_split, x.stride(0), folded.stride(0),
+        float(eps), SWIGLU=swiglu_hidden is not None, NORM_CHUNK=chunk,
+        WHOLE_ROWS=chunk >= k, **launch.meta, **_precision(x), **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -348,6 +319,7 @@ def linear_residual_triton(
     config: LinearConfig | None = None,
     invariant: bool = False,  # batch-invariant tiles (invariant_config, 16 or 64 rows)
     block_m: int | None = None,  # rows per program tile (sweeps); None: row_tile
+    split_k: int | None = None,  # at most this many K splits; None: SPLITFLASH_LINEAR_SPLIT_K
 ) -> torch.Tensor:  # residual + a @ weight.T, [M, N]
     """Same contract as linear_residual_ref, for inputs that `fits`."""
     _check(a, weight)
@@ -358,10 +330,11 @@ def linear_residual_triton(
                          f"strides and residual [M, N]; got a {tuple(a.shape)}, weight "
                          f"{tuple(weight.shape)}, residual {tuple(residual.shape)}")  # fmt: skip
     out = torch.empty((m, n), device=a.device, dtype=residual.dtype)
-    meta = _tile_meta(weight, k, config, invariant, m, block_m)
-    grid = (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
-    _linear_residual_kernel[grid](
-        a, weight, residual, out, m, n, k, a.stride(0), weight.stride(0), residual.stride(0),
-        **meta, **_precision(a), **pdl_launch(a.device),
+    launch = plan_launch(weight, m, n, k, config, invariant, block_m, split_k)
+    ws, counters = _split_buffers(launch, 1, m, n, out)
+    _linear_residual_kernel[launch.grid](
+        a, weight, residual, out, ws, counters, m, n, k, launch.k_split, a.stride(0),
+        weight.stride(0), residual.stride(0), **launch.meta, **_precision(a),
+        **pdl_launch(a.device),
     )  # fmt: skip
     return out

@@ -61,23 +61,23 @@ def norm_oracle(x, norm_w, w, swiglu_hidden=None):
     return g * torch.sigmoid(g) * u
 
 
-def run_norm_linear(dtype, m, k, n, swiglu, invariant=False):
+def run_norm_linear(dtype, m, k, n, swiglu, invariant=False, split_k=None):
     from splitflash.kernels.fused_linear import norm_linear_triton
 
     x, norm_w, w, _ = make_case(m, k, n, dtype, seed=m * k + n)
     hidden = n // 2 if swiglu else None
     w = w[: 2 * hidden] if swiglu else w  # odd N: gate and up of n // 2 columns each
-    got = norm_linear_triton(x, norm_w, EPS, w, hidden, invariant=invariant)
+    got = norm_linear_triton(x, norm_w, EPS, w, hidden, invariant=invariant, split_k=split_k)
     low = norm_linear_ref(x, norm_w, EPS, w, hidden)
     what = ("norm_linear", swiglu, invariant)
     check(got, low, norm_oracle(x, norm_w, w, hidden), dtype, what)
 
 
-def run_linear_residual(dtype, m, k, n, invariant=False):
+def run_linear_residual(dtype, m, k, n, invariant=False, split_k=None):
     from splitflash.kernels.fused_linear import linear_residual_triton
 
     x, _, w, res = make_case(m, k, n, dtype, seed=m + k * n)
-    got = linear_residual_triton(x, w, res, invariant=invariant)
+    got = linear_residual_triton(x, w, res, invariant=invariant, split_k=split_k)
     want = res.double().cpu() + x.double().cpu() @ w.double().cpu().T
     check(got, linear_residual_ref(x, w, res), want, dtype, ("linear_residual", invariant))
 

@@ -1,0 +1,33 @@
+#!/bin/bash
+# Session 29 (H200 or H100). carry [".whl"].
+#   bash bench/gpu_s29.sh split   the GPU tests of split-K linears (kernels/split_k.py) and of
+#        the graphs; the four linears of a layer at each split cap, weights from HBM; the
+#        verify step with split-K off (SPLITFLASH_LINEAR_SPLIT_K=1, the code before it) and
+#        auto, alternated once
+#   bash bench/gpu_s29.sh ab      off / auto alternated three times; a profile of each at
+#        185k q 16
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name --format=csv,noheader
+if [ "$1" = split ]; then
+  timeout 200 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py \
+    tests/unit/test_kernels_fused_linear.py tests/unit/test_verify_graphs.py 2>&1 | tail -4
+  timeout 150 python3 -m bench.linear_sweep --splits 1 2 3 4 6 0 --cold --rows 1 16 32 \
+    --reps 15 --json-out "$OUT/linear_split_s29.json" 2>&1 | grep "^M "
+fi
+if [ "$1" = split ] || [ "$1" = ab ]; then
+  runs="1 auto"; [ "$1" = ab ] && runs="1 auto 1 auto 1 auto"
+  for s in $runs ; do
+    SPLITFLASH_LINEAR_SPLIT_K=$s timeout 50 python3 -m bench.verify_step --contexts 512 \
+      185000 --q-lens 16 1 --reps 40 --json-out "$OUT/verify_step_split${s}_$SECONDS.json" \
+      2>&1 | grep -E "\] ctx" | sed "s|^|split=$s |"
+  done
+fi
+if [ "$1" = ab ]; then
+  for s in 1 auto ; do
+    SPLITFLASH_LINEAR_SPLIT_K=$s timeout 60 python3 -m bench.verify_step --contexts 185000 \
+      --q-lens 16 --reps 20 --profile --json-out "$OUT/verify_step_profile_split$s.json" \
+      2>&1 | grep -v Warning | grep -A14 "profile ctx" | sed "s|^|split=$s |"
+  done
+fi
