@@ -6,6 +6,9 @@
 #        auto, alternated once
 #   bash bench/gpu_s29.sh ab      off / auto alternated three times; a profile of each at
 #        185k q 16
+#   bash bench/gpu_s29.sh draft   the GPU tests of the fused drafter (models/dflash/fused.py)
+#        and of the draft graphs; bench.draft_graphs with the modules (SPLITFLASH_DRAFT_FUSED=0)
+#        and fused, alternated twice
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site
@@ -29,5 +32,15 @@ if [ "$1" = ab ]; then
     SPLITFLASH_LINEAR_SPLIT_K=$s timeout 60 python3 -m bench.verify_step --contexts 185000 \
       --q-lens 16 --reps 20 --profile --json-out "$OUT/verify_step_profile_split$s.json" \
       2>&1 | grep -v Warning | grep -A14 "profile ctx" | sed "s|^|split=$s |"
+  done
+fi
+if [ "$1" = draft ]; then
+  timeout 200 python3 -m pytest -q -m gpu tests/unit/test_dflash_fused.py \
+    tests/unit/test_draft_graphs.py tests/unit/test_draft_graph_appends.py \
+    tests/unit/test_dflash_triton_backend.py 2>&1 | tail -4
+  for f in 0 1 0 1 ; do
+    SPLITFLASH_DRAFT_FUSED=$f timeout 60 python3 -m bench.draft_graphs --contexts 2048 131072 \
+      --batches 1 8 --reps 20 --json-out "$OUT/draft_graphs_fused${f}_$SECONDS.json" 2>&1 \
+      | grep -v Warning | tail -5 | sed "s|^|fused=$f |"
   done
 fi

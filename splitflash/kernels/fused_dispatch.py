@@ -58,6 +58,25 @@ def rope_kv_write(
     return rope_kv_write_ref(q, k, v, cos, sin, k_pages, v_pages, slots)
 
 
+def head_norm_rope(
+    x: torch.Tensor,  # [M, H, hd]
+    weight: torch.Tensor,  # [hd]
+    eps: float,
+    cos: torch.Tensor,  # [M, hd]
+    sin: torch.Tensor,  # [M, hd]
+) -> torch.Tensor:  # [M, H, hd]: RoPE(weight * rmsnorm(x)) per head
+    triton_ok, reason = use_triton(x)
+    if triton_ok:
+        from splitflash.kernels.head_norm_rope import head_norm_rope_triton
+
+        _announce("head_norm_rope", "triton", reason)
+        return head_norm_rope_triton(x, weight, eps, cos, sin)
+    from splitflash.kernels.head_norm_rope import head_norm_rope_ref
+
+    _announce("head_norm_rope", "torch reference", reason)
+    return head_norm_rope_ref(x, weight, eps, cos, sin)
+
+
 def silu_mul(gate_up: torch.Tensor, hidden: int) -> torch.Tensor:
     """gate_up [..., 2I] (gate | up) -> silu(gate) * up [..., I]. The kernel has no backward:
     a tensor that needs gradients (drafter training reuses the MLP) takes the reference."""

@@ -8,10 +8,13 @@ hd head dim, V vocab. Context features of committed tokens enter the draft KV ca
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
 
+from splitflash.kernels.fused_dispatch import rms_norm
+from splitflash.models.dflash import fused
 from splitflash.models.dflash.cache import (
     TORCH_ATTENTION,
     TRITON_ATTENTION,
@@ -178,8 +181,10 @@ class DFlashDrafter(nn.Module):
         each layer's (k, v) [n, H_KV, hd]: fc -> hidden_norm -> the layer's W_K / W_V (+ k_norm,
         RoPE at the absolute position). No host sync: the draft graphs capture it."""
         w = self.fc.weight
+        cos, sin = self._rope(positions)  # [n, hd]
+        if fused.fused_path(w):
+            return fused.context_kv(self, features, cos, sin)
         ctx = self.hidden_norm(self.fc(features.to(dtype=w.dtype)))  # [n, D]
-        cos, sin = self._rope(positions)
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     @torch.no_grad()
@@ -299,14 +304,22 @@ class DFlashDrafter(nn.Module):
         emb = self._shared.embed_tokens(ids.to(self._shared.embed_tokens.weight.device))
         h = emb.to(device=w.device, dtype=w.dtype) * cfg.input_embedding_scale  # [N, T, D]
         cos, sin = self._rope(pos)  # [N, T, hd]
-        for li, (layer, pol) in enumerate(zip(self.layers, self.policy, strict=True)):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.project_q(x, cos, sin)  # [N, T, H, hd]
-            k, v = attn.project_kv(x, cos, sin)  # [N, T, H_KV, hd]
-            h = h + attn.o_proj(attend(li, pol, q, k, v).flatten(-2))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.norm(h[:, 1:])  # the anchor's own position needs no logits
+        if fused.fused_path(w):  # the layers on [N * T, D] rows through the fused kernels
+            n = h.shape[0]
+            rows, cos, sin = (t.flatten(0, 1) for t in (h, cos, sin))
+            for li, (layer, pol) in enumerate(zip(self.layers, self.policy, strict=True)):
+                rows = fused.block_layer(layer, rows, cos, sin,
+                                         partial(attend, li, pol), n)  # fmt: skip
+            h = rms_norm(rows.unflatten(0, (n, -1))[:, 1:], self.norm.weight, self.norm.eps)
+        else:
+            for li, (layer, pol) in enumerate(zip(self.layers, self.policy, strict=True)):
+                attn = layer.self_attn
+                x = layer.input_layernorm(h)
+                q = attn.project_q(x, cos, sin)  # [N, T, H, hd]
+                k, v = attn.project_kv(x, cos, sin)  # [N, T, H_KV, hd]
+                h = h + attn.o_proj(attend(li, pol, q, k, v).flatten(-2))
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = self.norm(h[:, 1:])  # the anchor's own position needs no logits
         head = self._shared.lm_head_weight
         return torch.matmul(h.to(device=head.device, dtype=head.dtype), head.T, out=out)
 
