@@ -85,11 +85,11 @@ def drafters():
 def run_both(monkeypatch, fn):
     """fn(drafter) on the module path, then on the fused path (Triton forced on CPU)."""
     plain, fused_d = drafters()
-    monkeypatch.setenv("SPLITFLASH_DRAFT_FUSED", "0")
+    monkeypatch.setenv("SPLITFLASH_FUSED_DRAFTER", "0")
     monkeypatch.setenv("SPLITFLASH_FORCE_TRITON", "1")
     assert not fused.fused_path(plain.fc.weight)
     want = fn(plain)
-    monkeypatch.setenv("SPLITFLASH_DRAFT_FUSED", "1")
+    monkeypatch.setenv("SPLITFLASH_FUSED_DRAFTER", "1")
     assert fused.fused_path(fused_d.fc.weight)
     return fn(fused_d), want
 

@@ -32,8 +32,8 @@ from splitflash.kernels.fused_dispatch import head_norm_rope, linear_residual, n
 
 def fused_path(t: torch.Tensor) -> bool:
     """Run the drafter through the fused kernels? Where the kernels dispatch to Triton, unless
-    SPLITFLASH_DRAFT_FUSED=0 (to measure with and without, or to rule it out)."""
-    return use_triton(t)[0] and os.environ.get("SPLITFLASH_DRAFT_FUSED", "1") != "0"
+    SPLITFLASH_FUSED_DRAFTER=0 (to measure with and without, or to rule it out)."""
+    return use_triton(t)[0] and os.environ.get("SPLITFLASH_FUSED_DRAFTER", "1") != "0"
 
 
 def joined(owner: nn.Module, name: str, weights: Sequence[torch.Tensor]) -> torch.Tensor:
