@@ -15,6 +15,7 @@ from torch import nn
 
 from splitflash.kernels.fused_dispatch import rms_norm
 from splitflash.models.dflash import fused
+from splitflash.models.dflash.attend import per_request_attend, pooled_attend
 from splitflash.models.dflash.cache import (
     TORCH_ATTENTION,
     TRITON_ATTENTION,
@@ -270,27 +271,8 @@ class DFlashDrafter(nn.Module):
         return self.backend in (TORCH_ATTENTION, TRITON_ATTENTION)
 
     def pooled_attention(self, pool, slots: torch.Tensor, n_ctx: torch.Tensor, bound: int):
-        """attend(layer, policy, q, k, v) over a DraftKVPool: one kernel call per layer for
-        the whole batch. slots, n_ctx: [N] int32 on the weights' device; bound >= every
-        n_ctx (sizes the kernel's split plan without a device->host sync). None when the
-        backend is a custom one, which only the per-request path can call."""
-        from splitflash.kernels.draft_attention_ref import draft_attention_ref
-
-        backend = self.backend
-        if backend is TRITON_ATTENTION:
-            from splitflash.kernels.draft_attention import draft_attention_triton as kernel
-        elif backend is TORCH_ATTENTION:
-            kernel = draft_attention_ref
-        else:
-            return None
-        scale, causal = self.config.head_dim**-0.5, self.config.is_causal
-        extra = {} if kernel is draft_attention_ref else {"max_ctx_len": bound}
-
-        def attend(li, pol, q, k, v):  # q [N, T, H, hd], k / v [N, T, H_KV, hd]
-            return kernel(q, k, v, pool.k[li], pool.v[li], n_ctx, pol.window, scale,
-                          causal=causal, cache_slots=slots, **extra)  # fmt: skip
-
-        return attend
+        """attend(layer, policy, q, k, v) over a DraftKVPool (attend.pooled_attend)."""
+        return pooled_attend(self, pool, slots, n_ctx, bound)
 
     def forward_block(
         self, ids: torch.Tensor, pos: torch.Tensor, attend, out: torch.Tensor | None = None
@@ -349,19 +331,7 @@ class DFlashDrafter(nn.Module):
             reads = [pool.keys_read(n) for n in n_ctx]
         if attend is None:
             reads = [[0] * len(self.layers) for _ in states]
-            per_request = self.backend.fn
-            causal = self.config.is_causal
-
-            def attend(li, pol, q, k, v):
-                outs = []
-                for r, state in enumerate(states):
-                    kv = state.layers[li]
-                    o, reads[r][li] = per_request(
-                        q[r], kv.k, kv.v, state.n_ctx, pol.window, k[r], v[r], causal
-                    )
-                    outs.append(o)  # [T, H, hd]
-                return torch.stack(outs)
-
+            attend = per_request_attend(self, states, reads)
         logits = self.forward_block(ids, pos, attend)
         for state, r in zip(states, reads, strict=True):
             state.keys_read_last = r
