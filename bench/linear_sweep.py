@@ -91,6 +91,11 @@ def _steps(name: str, m: int, invariant: bool = False, cold: bool = False):
     def w():  # the next copy (captured once per link: each link keeps its own)
         return ws[next(turn) % copies]
 
+    if kind != "res":  # fold the norm weight into every copy now, not inside a capture
+        from splitflash.kernels.fused_linear import fold_norm_weight
+
+        for copy in ws:
+            fold_norm_weight(copy, nw)
     res = torch.randn(m, n, device=dev, dtype=dt)
     hidden = n if kind == "swiglu" else None
     if kind == "res":

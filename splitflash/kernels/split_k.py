@@ -33,6 +33,12 @@ from splitflash.kernels.tuning import device_facts
 
 COUNTERS = 4096  # tiles (N tiles x M tiles) one launch may split; more: no split
 MAX_SPLITS = 16  # bounds the workspace (and the last program's sum) of one launch
+# Auto splits only launches over at least this many inputs. Measured on an H100 (session 29,
+# bench.linear_sweep --splits --cold, us per link at M 16): down (K 1536, 18 tiles) 4.34 ->
+# 3.86 split 6 ways; o_proj (K 576, 36 tiles) 2.36 -> 3.28-3.52 split 2-6 ways, and the
+# whole verify step with every launch of < 132 tiles split was slower (bench/RESULTS.md).
+# Short K loops gain less from more programs than the partials and the last program's sum cost.
+AUTO_MIN_K = 1024
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -52,10 +58,13 @@ def split_k_cap() -> int | None:
 
 def plan_splits(k: int, block_k: int, tiles: int, device: torch.device,
                 cap: int | None) -> tuple[int, int]:  # fmt: skip
-    """(splits, K per split) of one launch of `tiles` output tiles over K inputs. Auto: enough
-    splits for one program per SM (no second wave), each split a whole number of BLOCK_K steps;
-    1 where nothing is gained, on CPU (unless a cap forces it) or without counters."""
+    """(splits, K per split) of one launch of `tiles` output tiles over K inputs. Auto (cap
+    None): for K >= AUTO_MIN_K, enough splits for one program per SM (no second wave), each
+    split a whole number of BLOCK_K steps; 1 where nothing is gained, on CPU (unless a cap
+    forces it) or without counters."""
     steps = -(-k // block_k)
+    if cap is None and k < AUTO_MIN_K:
+        return 1, k
     if cap is None:
         sms = device_facts(device.index or 0)[1] if device.type == "cuda" else 1
         want = sms // max(1, tiles)

@@ -70,13 +70,15 @@ def test_split_plan(monkeypatch):
     monkeypatch.setattr(split_k, "device_facts", lambda index: ((9, 0), 132))
     monkeypatch.setattr(split_k, "arrival_counters", lambda device: torch.zeros(1))
     gpu = torch.device("cuda", 0)
-    assert split_k.plan_splits(576, 64, 36, gpu, None) == (3, 192)  # o_proj: 108 programs
-    assert split_k.plan_splits(1536, 256, 18, gpu, None) == (6, 256)  # down: 108
-    assert split_k.plan_splits(576, 64, 60, gpu, None) == (2, 320)  # qkv: 120
-    assert split_k.plan_splits(576, 64, 96, gpu, None) == (1, 576)  # gate_up: 96 fill
+    assert split_k.plan_splits(1536, 256, 18, gpu, None) == (6, 256)  # down: 108 programs
+    assert split_k.plan_splits(2048, 64, 60, gpu, None) == (2, 1024)
+    assert split_k.plan_splits(1536, 256, 96, gpu, None) == (1, 1536)  # 96 tiles: no 2nd wave
+    # Short K loops are not split unless asked (o_proj and qkv of the default model).
+    assert split_k.plan_splits(576, 64, 36, gpu, None) == (1, 576)
+    assert split_k.plan_splits(576, 64, 36, gpu, 3) == (3, 192)
     # Without counters (a capture before any eager launch): no split.
     monkeypatch.setattr(split_k, "arrival_counters", lambda device: None)
-    assert split_k.plan_splits(576, 64, 36, gpu, None) == (1, 576)
+    assert split_k.plan_splits(1536, 256, 18, gpu, None) == (1, 1536)
 
 
 def test_only_fast_16_row_launches_split():
@@ -113,11 +115,11 @@ def test_split_launch_in_a_cuda_graph_replays_exactly():
     """Replays reuse the counters (each launch leaves them at zero) and the workspace."""
     from splitflash.kernels.fused_linear import linear_residual_triton, norm_linear_triton
 
-    x, norm_w, w, res = make_case(16, 1536, 576, torch.bfloat16, seed=2)
-    w_up = torch.cat([w, w.flip(0)])[:, :576].contiguous()  # SwiGLU [2 x 576, 576]
+    x, norm_w, w, res = make_case(16, 1536, 576, torch.bfloat16, seed=2)  # w [576, 1536]
+    w_up = torch.cat([w, w.flip(0)])[:1024, :576].contiguous()  # SwiGLU [2 x 512, 576]
 
     def step():
-        act = norm_linear_triton(x[:, :576], norm_w[:576], EPS, w_up, 576, split_k=3)
+        act = norm_linear_triton(x[:, :576], norm_w[:576], EPS, w_up, 512, split_k=3)
         return linear_residual_triton(torch.cat([act, act, act], 1), w, res, split_k=6)
 
     eager = step()
