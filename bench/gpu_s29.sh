@@ -9,7 +9,7 @@
 #   bash bench/gpu_s29.sh all     split's and draft's GPU tests, split-K off / auto and the
 #        drafter's modules / fused once each, then the linears' split sweep (one call)
 #   bash bench/gpu_s29.sh ab2     (after call 1: auto splits K >= 1024 only) the split-K GPU
-#        tests; the verify step off / auto alternated twice; the linears' cold split sweep
+#        tests; the verify step off / auto / off / auto; the linears' cold split sweep
 #   bash bench/gpu_s29.sh draft   the GPU tests of the fused drafter (models/dflash/fused.py)
 #        and of the draft graphs; bench.draft_graphs with the modules (SPLITFLASH_FUSED_DRAFTER=0)
 #        and fused, alternated twice
@@ -69,10 +69,10 @@ fi
 if [ "$1" = ab2 ]; then
   timeout 100 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py 2>&1 | tail -2
   for s in 1 auto 1 auto ; do
-    SPLITFLASH_LINEAR_SPLIT_K=$s timeout 50 python3 -m bench.verify_step --contexts 512 \
+    SPLITFLASH_LINEAR_SPLIT_K=$s timeout 30 python3 -m bench.verify_step --contexts 512 \
       185000 --q-lens 16 1 --reps 40 --json-out "$OUT/verify_step_split${s}_$SECONDS.json" \
       2>&1 | grep -E "\] ctx" | sed "s|^|split=$s |"
   done
-  timeout 90 python3 -m bench.linear_sweep --splits 1 2 3 6 0 --cold --rows 16 \
+  timeout 60 python3 -m bench.linear_sweep --splits 1 3 6 0 --cold --rows 16 \
     --reps 15 --json-out "$OUT/linear_split_s29.json" 2>&1 | grep "^M "
 fi
