@@ -16,8 +16,9 @@ from splitflash.models.dflash.pool import DraftKVPool
 class StepInputs:
     """One graphed step on the host: the block and the context rows written before it."""
 
-    ids: torch.Tensor  # [N, T] long
-    pos: torch.Tensor  # [N, T] long
+    anchors: list[int]  # [N] the blocks' first tokens (the rest are MASK)
+    anchor_pos: list[int]  # [N] their positions (block token i sits at anchor_pos + i)
+    t: int  # block length T
     slots: list[int]  # [N]
     n_ctx: list[int]  # [N] context held once the rows are written
     app_pos: np.ndarray  # [N_pad * R] int64, padding rows at position 0
@@ -39,15 +40,19 @@ def pack(step: StepInputs, n_pad: int, rows: int, mask_id: int, pin: bool) -> to
         slots [N_pad] | n_ctx [N_pad] (i32)
     Rows past the N real ones are padding: [MASK x T] at positions 0..T-1, scratch slot 0,
     no context."""
-    n, t = step.ids.shape
+    n, t = len(step.anchors), step.t
     n_layers = step.app_dest.shape[0]
     n64, n32 = words(n_pad, t, rows, n_layers)
     buf = torch.empty(2 * n64 + n32, dtype=torch.int32, pin_memory=pin)
     w32 = buf.numpy()
     i64 = w32[: 2 * n64].view(np.int64)
     blocks = i64[: 2 * n_pad * t].reshape(2, n_pad, t)
-    blocks[0, :n], blocks[1, :n] = step.ids.numpy(), step.pos.numpy()
-    blocks[0, n:], blocks[1, n:] = mask_id, np.arange(t)
+    # [anchor, MASK x (T-1)] at anchor_pos + [0, T): DFlashDrafter.block_inputs, in numpy
+    # (the torch version's small tensors cost ~70 us a step on the host).
+    blocks[0] = mask_id
+    blocks[0, :n, 0] = step.anchors
+    blocks[1] = np.arange(t)
+    blocks[1, :n] += np.asarray(step.anchor_pos, dtype=np.int64)[:, None]
     i64[2 * n_pad * t :] = np.concatenate([step.app_pos[None], step.app_dest]).ravel()
     small = w32[2 * n64 :].reshape(2, n_pad)
     small[0, :n], small[1, :n] = step.slots, step.n_ctx

@@ -135,10 +135,10 @@ class DraftGraphs(CaptureStats):
         planned = append_rows(self.pool, slots, starts, counts, key[0], rows)
         if planned is None:
             return None
-        ids, pos = drafter.block_inputs(anchor_token_ids, anchor_positions, t)
         feats = [a[0] for a in appends if a is not None]
         step = StepInputs(
-            ids, pos, slots, n_ctx, *planned,
+            [int(a) for a in anchor_token_ids], [int(p) for p in anchor_positions], t,
+            slots, n_ctx, *planned,
             app_rows=torch.cat([torch.arange(i * rows, i * rows + n)
                                 for i, n in enumerate(counts) if n]) if feats else None,
             app_feats=joined_rows(feats, self.device) if feats else None,
