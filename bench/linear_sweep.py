@@ -163,7 +163,7 @@ def compare_splits(ms: list[int], caps: list[int], cold: bool, chain: int,
             _, fused = _steps(name, m, cold=cold)
             cfg = launch_config(SHAPES[name][0])
             links = max(chain, _copies(name)) if cold else chain  # every copy once a replay
-            times = {cap: _chain_us(lambda c=cap, f=fused, g=cfg: f(g, None, c or None), links,
+            times = {cap: _chain_us(lambda c=cap, f=fused, g=cfg: f(g, None, c), links,
                                     reps) for cap in caps}  # fmt: skip
             for cap, us in times.items():
                 total[cap] += us

@@ -289,7 +289,7 @@ def norm_linear_triton(
     config: LinearConfig | None = None,
     invariant: bool = False,  # batch-invariant tiles (invariant_config, 16 or 64 rows)
     block_m: int | None = None,  # rows per program tile (sweeps); None: row_tile
-    split_k: int | None = None,  # at most this many K splits; None: SPLITFLASH_LINEAR_SPLIT_K
+    split_k: int | None = None,  # K splits at most, 0: auto; None: SPLITFLASH_LINEAR_SPLIT_K
 ) -> torch.Tensor:  # [M, N] or [M, I], x's dtype
     """Same contract as norm_linear_ref, for inputs that `fits`."""
     _check(x, weight, swiglu_hidden)
@@ -319,7 +319,7 @@ def linear_residual_triton(
     config: LinearConfig | None = None,
     invariant: bool = False,  # batch-invariant tiles (invariant_config, 16 or 64 rows)
     block_m: int | None = None,  # rows per program tile (sweeps); None: row_tile
-    split_k: int | None = None,  # at most this many K splits; None: SPLITFLASH_LINEAR_SPLIT_K
+    split_k: int | None = None,  # K splits at most, 0: auto; None: SPLITFLASH_LINEAR_SPLIT_K
 ) -> torch.Tensor:  # residual + a @ weight.T, [M, N]
     """Same contract as linear_residual_ref, for inputs that `fits`."""
     _check(a, weight)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from splitflash.kernels.split_k import plan_splits, split_k_cap
+from splitflash.kernels.split_k import AUTO, plan_splits, split_k_cap
 from splitflash.kernels.tuning import next_pow2
 
 BLOCK_M = 16  # the smallest tl.dot tile; a 16-token block is one row tile
@@ -95,7 +95,8 @@ def plan_launch(
     config: LinearConfig | None,  # None: invariant_config / launch_config
     invariant: bool,
     block_m: int | None,  # None: row_tile
-    split_k: int | None,  # at most this many K splits; None: SPLITFLASH_LINEAR_SPLIT_K
+    split_k: int | None,  # at most this many K splits, AUTO (0): the auto rule; None:
+    #                       SPLITFLASH_LINEAR_SPLIT_K
 ) -> LinearLaunch:  # fmt: skip
     """The launch of m rows x n outputs over k inputs. Split-K (kernels/split_k.py) only on
     16-row fast-path tiles: batch-invariant launches keep one K order whatever the batch, and
@@ -109,7 +110,7 @@ def plan_launch(
     tiles = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     splits, k_split = 1, k
     if not invariant and block_m == BLOCK_M:
-        cap = split_k if split_k is not None else split_k_cap()
+        cap = split_k_cap() if split_k is None else None if split_k == AUTO else split_k
         splits, k_split = plan_splits(k, block_k, tiles[0] * tiles[1], w.device, cap)
     line_elems = max(1, 128 // w.element_size())  # elements per 128-byte L2 line
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,

@@ -7,6 +7,10 @@ launch takes ~4 us for 0.7-1.8 MB (a 185k verify step spent ~0.5 ms of its ~2.2 
 120 linears, H100 CUPTI, bench/RESULTS.md). Splitting K over S programs per tile puts S times
 the programs, and bytes in flight, on the same weights.
 
+Off by default: measured on an H100 (bench/RESULTS.md, session 29), short K loops (576
+inputs) lose ~1 us a launch when split, down's 1536 gain ~0.5 us; a verify step with only
+the long ones split (SPLITFLASH_LINEAR_SPLIT_K=auto) is not measured yet.
+
 How the S partial sums meet without another launch: each program stores its fp32 partial
 [BLOCK_M, BLOCK_N] to a workspace, then counts itself in on an arrival counter of its tile;
 the last of the S to arrive sums the S partials in split order (the same order whichever
@@ -31,6 +35,7 @@ import triton.language as tl
 
 from splitflash.kernels.tuning import device_facts
 
+AUTO = 0  # a launch's split_k argument asking for the auto rule (plan_splits with cap None)
 COUNTERS = 4096  # tiles (N tiles x M tiles) one launch may split; more: no split
 MAX_SPLITS = 16  # bounds the workspace (and the last program's sum) of one launch
 # Auto splits only launches over at least this many inputs. Measured on an H100 (session 29,
@@ -43,11 +48,14 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 
 def split_k_cap() -> int | None:
-    """SPLITFLASH_LINEAR_SPLIT_K: unset or "auto" (None): as many splits as fill the SMs;
-    "1" (or "0"): never split; N: at most N splits (sweeps, the tests on CPU)."""
-    text = os.environ.get("SPLITFLASH_LINEAR_SPLIT_K", "auto").strip().lower()
-    if text in ("", "auto"):
+    """SPLITFLASH_LINEAR_SPLIT_K: unset, "1" or "0": never split (the default until a whole
+    verify step with the auto rule is measured, bench/RESULTS.md session 29); "auto" (None):
+    launches over K >= AUTO_MIN_K split to fill the SMs; N: at most N splits (sweeps)."""
+    text = os.environ.get("SPLITFLASH_LINEAR_SPLIT_K", "1").strip().lower()
+    if text == "auto":
         return None
+    if not text:
+        return 1
     try:
         return max(1, int(text))
     except ValueError:

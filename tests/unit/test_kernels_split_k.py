@@ -81,8 +81,11 @@ def test_split_plan(monkeypatch):
     assert split_k.plan_splits(1536, 256, 18, gpu, None) == (1, 1536)
 
 
-def test_only_fast_16_row_launches_split():
+def test_only_fast_16_row_launches_split(monkeypatch):
     w = torch.zeros(96, 576)
+    monkeypatch.delenv("SPLITFLASH_LINEAR_SPLIT_K", raising=False)
+    assert plan_launch(w, 16, 96, 576, None, False, None, None).grid[2] == 1  # off by default
+    assert plan_launch(w, 16, 96, 576, None, False, None, split_k.AUTO).grid[2] == 1  # CPU
     assert plan_launch(w, 16, 96, 576, None, False, None, 3).grid == (6, 1, 3)
     # Batch-invariant launches keep one K order whatever the batch; 64-row tiles (M > 32)
     # have programs enough.
@@ -91,7 +94,9 @@ def test_only_fast_16_row_launches_split():
 
 
 def test_split_setting(monkeypatch):
-    for text, want in (("", None), ("auto", None), ("1", 1), ("0", 1), ("6", 6)):
+    monkeypatch.delenv("SPLITFLASH_LINEAR_SPLIT_K", raising=False)
+    assert split_k.split_k_cap() == 1  # off unless asked for
+    for text, want in (("", 1), ("auto", None), ("AUTO", None), ("1", 1), ("0", 1), ("6", 6)):
         monkeypatch.setenv("SPLITFLASH_LINEAR_SPLIT_K", text)
         assert split_k.split_k_cap() == want
     monkeypatch.setenv("SPLITFLASH_LINEAR_SPLIT_K", "many")
