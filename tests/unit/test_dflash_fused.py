@@ -5,6 +5,8 @@ reference drafter checks elsewhere (test_dflash.py)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -80,6 +82,22 @@ def test_reference_is_the_modules_op_sequence():
 def drafters():
     """The same random drafter twice (torch attention), on the test device."""
     return make(cfg_dict()).to(DEVICE), make(cfg_dict()).to(DEVICE)
+
+
+def test_layer_path_choice_is_logged(monkeypatch, caplog):
+    from splitflash.kernels.dispatch import _announce
+
+    _announce.cache_clear()  # logged once per process: earlier tests may have taken it
+    w = make(cfg_dict()).fc.weight  # on CPU
+    with caplog.at_level(logging.INFO, logger="splitflash.kernels"):
+        monkeypatch.delenv("SPLITFLASH_FORCE_TRITON", raising=False)
+        assert not fused.fused_path(w)
+        monkeypatch.setenv("SPLITFLASH_FORCE_TRITON", "1")
+        monkeypatch.setenv("SPLITFLASH_FUSED_DRAFTER", "0")
+        assert not fused.fused_path(w)
+    text = caplog.text
+    assert "dflash_layers: using torch modules (tensors on cpu)" in text
+    assert "dflash_layers: using torch modules (SPLITFLASH_FUSED_DRAFTER=0)" in text
 
 
 def run_both(monkeypatch, fn):

@@ -26,14 +26,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitflash.kernels.dispatch import use_triton
+from splitflash.kernels.dispatch import _announce, use_triton
 from splitflash.kernels.fused_dispatch import head_norm_rope, linear_residual, norm_linear
 
 
 def fused_path(t: torch.Tensor) -> bool:
     """Run the drafter through the fused kernels? Where the kernels dispatch to Triton, unless
-    SPLITFLASH_FUSED_DRAFTER=0 (to measure with and without, or to rule it out)."""
-    return use_triton(t)[0] and os.environ.get("SPLITFLASH_FUSED_DRAFTER", "1") != "0"
+    SPLITFLASH_FUSED_DRAFTER=0 (to measure with and without, or to rule it out). The choice
+    is logged once per distinct outcome (kernels/dispatch.py)."""
+    triton_ok, reason = use_triton(t)
+    if triton_ok and os.environ.get("SPLITFLASH_FUSED_DRAFTER", "1") == "0":
+        triton_ok, reason = False, "SPLITFLASH_FUSED_DRAFTER=0"
+    _announce("dflash_layers", "fused kernels" if triton_ok else "torch modules", reason)
+    return triton_ok
 
 
 def joined(owner: nn.Module, name: str, weights: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -70,6 +71,15 @@ def views(buf: torch.Tensor, n_pad: int, t: int, rows: int, n_layers: int):
     return ids, pos, app[0], app[1:], slots, n_ctx
 
 
+@lru_cache(maxsize=64)
+def _scratch_rows(caps: tuple[int, ...], n: int) -> np.ndarray:
+    """[L, n] int64: row i of every layer on scratch slot 0 (distinct rows where the slot
+    has enough), what unused append rows write to. Read-only: callers copy it."""
+    out = np.stack([np.arange(n, dtype=np.int64) % cap for cap in caps])
+    out.flags.writeable = False
+    return out
+
+
 def append_rows(
     pool: DraftKVPool, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int],
     n_pad: int, rows: int,
@@ -81,11 +91,9 @@ def append_rows(
     context). None when a write would not be the eager one: more than R rows, a
     sliding layer given more rows than its ring (they would collide), or a full layer's
     rows past the pool's capacity (the eager write moves that layer out of the pool)."""
-    caps = [k.shape[1] for k in pool.k]
+    caps = tuple(k.shape[1] for k in pool.k)
     app_pos = np.zeros(n_pad * rows, dtype=np.int64)
-    app_dest = np.zeros((len(caps), n_pad * rows), dtype=np.int64)
-    for li, cap in enumerate(caps):  # distinct scratch rows where the slot has enough
-        app_dest[li] = np.arange(n_pad * rows) % cap
+    app_dest = _scratch_rows(caps, n_pad * rows).copy()
     for i, (slot, start, n) in enumerate(zip(slots, starts, counts, strict=True)):
         if n > rows:
             return None

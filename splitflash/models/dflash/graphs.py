@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitflash.kernels.tuning import kv_bucket
@@ -139,8 +140,8 @@ class DraftGraphs(CaptureStats):
         step = StepInputs(
             [int(a) for a in anchor_token_ids], [int(p) for p in anchor_positions], t,
             slots, n_ctx, *planned,
-            app_rows=torch.cat([torch.arange(i * rows, i * rows + n)
-                                for i, n in enumerate(counts) if n]) if feats else None,
+            app_rows=torch.from_numpy(np.concatenate([np.arange(i * rows, i * rows + n)
+                                      for i, n in enumerate(counts) if n])) if feats else None,
             app_feats=joined_rows(feats, self.device) if feats else None,
         )  # fmt: skip
         entry = self._graphs.get(key)
