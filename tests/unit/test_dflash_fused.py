@@ -95,11 +95,18 @@ def test_layer_path_choice_is_logged(monkeypatch, caplog):
         monkeypatch.setenv("SPLITFLASH_FORCE_TRITON", "1")
         monkeypatch.setenv("SPLITFLASH_FUSED_DRAFTER", "0")
         assert not fused.fused_path(w)
+        monkeypatch.setenv("SPLITFLASH_FUSED_DRAFTER", "1")
+        assert not fused.fused_path(w)  # autograd records for w: modules (no backward here)
+        with torch.no_grad():
+            assert fused.fused_path(w)
     text = caplog.text
+    assert "dflash_layers: using torch modules (weights need gradients" in text
+    assert "dflash_layers: using fused kernels (SPLITFLASH_FORCE_TRITON=1)" in text
     assert "dflash_layers: using torch modules (tensors on cpu)" in text
     assert "dflash_layers: using torch modules (SPLITFLASH_FUSED_DRAFTER=0)" in text
 
 
+@torch.no_grad()
 def run_both(monkeypatch, fn):
     """fn(drafter) on the module path, then on the fused path (Triton forced on CPU)."""
     plain, fused_d = drafters()

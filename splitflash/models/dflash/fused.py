@@ -31,12 +31,16 @@ from splitflash.kernels.fused_dispatch import head_norm_rope, linear_residual, n
 
 
 def fused_path(t: torch.Tensor) -> bool:
-    """Run the drafter through the fused kernels? Where the kernels dispatch to Triton, unless
-    SPLITFLASH_FUSED_DRAFTER=0 (to measure with and without, or to rule it out). The choice
-    is logged once per distinct outcome (kernels/dispatch.py)."""
+    """Run the drafter through the fused kernels (t: its weights)? Where the kernels dispatch
+    to Triton, unless SPLITFLASH_FUSED_DRAFTER=0 (to measure with and without, or to rule it
+    out) or autograd is recording for these weights. The choice is logged once per distinct
+    outcome (kernels/dispatch.py)."""
     triton_ok, reason = use_triton(t)
     if triton_ok and os.environ.get("SPLITFLASH_FUSED_DRAFTER", "1") == "0":
         triton_ok, reason = False, "SPLITFLASH_FUSED_DRAFTER=0"
+    elif triton_ok and torch.is_grad_enabled() and t.requires_grad:
+        # No backward in the kernels, and a cached join would hold one step's autograd graph.
+        triton_ok, reason = False, "weights need gradients (the kernels have no backward)"
     _announce("dflash_layers", "fused kernels" if triton_ok else "torch modules", reason)
     return triton_ok
 
