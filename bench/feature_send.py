@@ -75,8 +75,10 @@ def run(batches: list[int], rows: int, reps: int) -> list[dict]:
     peer.start()
     endpoint = parent.recv()
     failures: list[str] = []
-    link = DraftLink(zmq.Context.instance(), endpoint, peer_id="bench", timeout_s=5.0,
-                     hello_timeout_s=10.0, retry_s=1.0, chunk_rows=2048,
+    # Generous timeouts (they bound a failure, they do not time the exchange): a loaded
+    # 2-core CI machine once starved the peer past 5 s and the run failed.
+    link = DraftLink(zmq.Context.instance(), endpoint, peer_id="bench", timeout_s=30.0,
+                     hello_timeout_s=30.0, retry_s=1.0, chunk_rows=2048,
                      on_failure=failures.append)  # fmt: skip
     layers = (2, 8, 14, 21, 27)
     out = []
@@ -105,7 +107,7 @@ def run(batches: list[int], rows: int, reps: int) -> list[dict]:
         print(f"B {b:3d}: one by one {row['one_by_one_ms']:.3f} ms, pipelined "
               f"{row['pipelined_ms']:.3f} ms (x{row['one_by_one_ms'] / row['pipelined_ms']:.2f})",
               flush=True)  # fmt: skip
-    link._client.call(Release(request_ids=[]), timeout_s=5.0)
+    link._client.call(Release(request_ids=[]), timeout_s=30.0)
     link.close()
     peer.join(15)
     if failures:
