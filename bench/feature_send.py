@@ -19,7 +19,7 @@ import time
 FEATURE_WIDTH = 5 * 576  # the shipped DFlash drafter: 5 target layers of SmolLM2-135M
 
 
-def _peer(endpoint_out, idle_s: float = 10.0) -> None:
+def _peer(endpoint_out, idle_s: float = 30.0) -> None:
     """Ack every Features until a Release arrives or nothing comes for idle_s (bounded)."""
     import zmq
 
@@ -109,7 +109,7 @@ def run(batches: list[int], rows: int, reps: int) -> list[dict]:
               flush=True)  # fmt: skip
     link._client.call(Release(request_ids=[]), timeout_s=30.0)
     link.close()
-    peer.join(15)
+    peer.join(35)
     if failures:
         raise SystemExit(f"features not delivered: {failures}")
     return out
