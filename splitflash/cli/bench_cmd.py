@@ -19,6 +19,7 @@ BENCHES = {
     "drafter_step": "bench.drafter_step",
     "draft_graphs": "bench.draft_graphs",
     "host_step": "bench.host_step",
+    "draft_host": "bench.draft_host",
     "textstream": "bench.textstream",
     "ngram": "bench.ngram_cpu",
     "transport": "bench.transport",

@@ -43,6 +43,17 @@ def test_cli_runs_the_host_step_benchmark():
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in steps)
 
 
+def test_cli_runs_the_draft_host_benchmark():
+    """It times the graph path (it exits non-zero when the step would run eagerly)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "splitflash", "bench", "draft_host", "--",
+         "--batches", "1", "2", "--reps", "5"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.replace(":", "").split() for line in out.splitlines() if line.startswith("B ")]
+    assert [r[1] for r in rows] == ["1", "2"] and all(float(r[2]) > 0 for r in rows), out
+
+
 def test_cli_runs_the_feature_send_benchmark():
     """Both ways deliver every request's features (the bench exits non-zero otherwise)."""
     out = subprocess.run(
