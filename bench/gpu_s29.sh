@@ -8,8 +8,9 @@
 #        185k q 16
 #   bash bench/gpu_s29.sh all     split's and draft's GPU tests, split-K off / auto and the
 #        drafter's modules / fused once each, then the linears' split sweep (one call)
-#   bash bench/gpu_s29.sh ab2     (after call 1: auto splits K >= 1024 only) the split-K GPU
-#        tests; the verify step off / auto / off / auto; the linears' cold split sweep
+#   bash bench/gpu_s29.sh ab2     (not run yet; split-K now off by default, `auto` splits K >=
+#        1024 only) the split-K GPU tests; the verify step off / auto / off / auto; the
+#        drafter (fused, split-K off: the shipped code) once; the linears' cold split sweep
 #   bash bench/gpu_s29.sh draft   the GPU tests of the fused drafter (models/dflash/fused.py)
 #        and of the draft graphs; bench.draft_graphs with the modules (SPLITFLASH_FUSED_DRAFTER=0)
 #        and fused, alternated twice
@@ -73,6 +74,8 @@ if [ "$1" = ab2 ]; then
       185000 --q-lens 16 1 --reps 40 --json-out "$OUT/verify_step_split${s}_$SECONDS.json" \
       2>&1 | grep -E "\] ctx" | sed "s|^|split=$s |"
   done
+  timeout 50 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 20 \
+    --json-out "$OUT/draft_graphs_shipped.json" 2>&1 | grep -v Warning | tail -4
   timeout 60 python3 -m bench.linear_sweep --splits 1 3 6 0 --cold --rows 16 \
     --reps 15 --json-out "$OUT/linear_split_s29.json" 2>&1 | grep "^M "
 fi
