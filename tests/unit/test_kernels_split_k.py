@@ -50,7 +50,9 @@ def test_split_launch_is_split_and_repeats_its_bits():
     launch = plan_launch(w, 16, 96, 576, None, False, None, 3)
     assert launch.grid == (6, 1, 3) and launch.k_split == 192  # 16-column tiles, 3 K steps
     first = norm_linear_triton(x, norm_w, EPS, w, 48, split_k=3)
-    linear_residual_triton(x[:, :64].contiguous(), w[:40, :64], res[:, :40], split_k=4)
+    other = plan_launch(w, 16, 40, 128, None, False, None, 4)
+    assert other.grid == (3, 1, 2)  # a split launch of other tiles on the same counters
+    linear_residual_triton(x[:, :128].contiguous(), w[:40, :128], res[:, :40], split_k=4)
     assert torch.equal(first, norm_linear_triton(x, norm_w, EPS, w, 48, split_k=3))
     assert counters_zero()
 
