@@ -49,7 +49,7 @@ def pack(step: StepInputs, n_pad: int, rows: int, mask_id: int, pin: bool) -> to
     i64 = w32[: 2 * n64].view(np.int64)
     blocks = i64[: 2 * n_pad * t].reshape(2, n_pad, t)
     # [anchor, MASK x (T-1)] at anchor_pos + [0, T): DFlashDrafter.block_inputs, in numpy
-    # (the torch version's small tensors cost ~70 us a step on the host).
+    # rather than as small torch tensors (bench.draft_host, bench/RESULTS.md session 29).
     blocks[0] = mask_id
     blocks[0, :n, 0] = step.anchors
     blocks[1] = np.arange(t)
