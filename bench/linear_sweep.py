@@ -86,7 +86,7 @@ def _steps(name: str, m: int, invariant: bool = False, cold: bool = False):
     rows_w = 2 * n if kind == "swiglu" else n
     copies = _copies(name) if cold else 1
     ws = [torch.randn(rows_w, k, device=dev, dtype=dt) / k**0.5 for _ in range(copies)]
-    turn = iter(range(1 << 62))
+    turn = itertools.count()
 
     def w():  # the next copy (captured once per link: each link keeps its own)
         return ws[next(turn) % copies]

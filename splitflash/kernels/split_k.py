@@ -71,9 +71,9 @@ def plan_splits(k: int, block_k: int, tiles: int, device: torch.device,
     split a whole number of BLOCK_K steps; 1 where nothing is gained, on CPU (unless a cap
     forces it) or without counters."""
     steps = -(-k // block_k)
-    if cap is None and k < AUTO_MIN_K:
-        return 1, k
     if cap is None:
+        if k < AUTO_MIN_K:
+            return 1, k
         sms = device_facts(device.index or 0)[1] if device.type == "cuda" else 1
         want = sms // max(1, tiles)
     else:

@@ -105,11 +105,7 @@ def context_kv(
                   [p.weight for a in attns for p in (a.k_proj, a.v_proj)])  # fmt: skip
     norm = drafter.hidden_norm
     kv = norm_linear(ctx, norm.weight, norm.eps, w_kv)  # [n, L * 2 * H_KV * hd]
-    out = []
-    for i, a in enumerate(attns):
-        width = a.n_kv_heads * a.head_dim
-        k = kv[:, 2 * i * width : (2 * i + 1) * width].unflatten(-1, (a.n_kv_heads, a.head_dim))
-        v = kv[:, (2 * i + 1) * width : (2 * i + 2) * width]
-        k = head_norm_rope(k, a.k_norm.weight, a.k_norm.eps, cos, sin)
-        out.append((k, v.unflatten(-1, (a.n_kv_heads, a.head_dim))))
-    return out
+    heads, hd = attns[0].n_kv_heads, attns[0].head_dim  # the config's, every layer's
+    kv = kv.unflatten(-1, (len(attns), 2, heads, hd))  # [n, L, 2, H_KV, hd]
+    return [(head_norm_rope(kv[:, i, 0], a.k_norm.weight, a.k_norm.eps, cos, sin), kv[:, i, 1])
+            for i, a in enumerate(attns)]  # fmt: skip
