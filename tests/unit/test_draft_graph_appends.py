@@ -111,8 +111,9 @@ def test_append_rows_destinations():
     drafter = make()
     pool = DraftKVPool(drafter, slots=3, context=40)
     # Request 0 in slot 2 writes positions 13..15, request 1 (slot 1) nothing; N_pad 3, R 4.
-    app_pos, app_dest = append_rows(pool, [2, 1], [13, 9], [3, 0], n_pad=3, rows=4)
+    app_pos, app_dest, feat_rows = append_rows(pool, [2, 1], [13, 9], [3, 0], n_pad=3, rows=4)
     assert app_pos.tolist() == [13, 14, 15, 0] + [0] * 8
+    assert feat_rows.tolist() == [0, 1, 2]
     pos = np.array([13, 14, 15])
     for li, cap in enumerate((W, W, 40)):
         want = 2 * cap + (pos % W if cap == W else pos)
@@ -124,6 +125,52 @@ def test_append_rows_destinations():
     assert append_rows(pool, [1], [38], [3], n_pad=1, rows=4) is None  # past the pool
     small_w = DraftKVPool(make(), slots=1, context=40)
     assert append_rows(small_w, [1], [0], [W + 1], n_pad=1, rows=W + 2) is None  # ring collides
+
+
+def _append_rows_by_loop(pool, slots, starts, counts, n_pad, rows):
+    """append_rows' contract written out request by request and layer by layer: the oracle
+    of its vectorised form (unused rows are only checked to lie on scratch slot 0)."""
+    caps = [k.shape[1] for k in pool.k]
+    app_pos = np.zeros(n_pad * rows, dtype=np.int64)
+    app_dest = np.full((len(caps), n_pad * rows), -1, dtype=np.int64)  # -1: scratch
+    feat_rows = []
+    for i, (slot, start, n) in enumerate(zip(slots, starts, counts, strict=True)):
+        for li, (cap, win) in enumerate(zip(caps, pool.windows, strict=True)):
+            too_many = n > rows or (n > win if win is not None else start + n > cap)
+            if n and too_many:
+                return None
+            for r in range(n):
+                app_dest[li, i * rows + r] = slot * cap + ((start + r) % win if win else start + r)
+        for r in range(n):
+            app_pos[i * rows + r] = start + r
+            feat_rows.append(i * rows + r)
+    return app_pos, app_dest, feat_rows
+
+
+def test_append_rows_matches_a_loop_over_requests_and_layers():
+    pool = DraftKVPool(make(), slots=5, context=40)
+    caps = np.array([k.shape[1] for k in pool.k])[:, None]
+    gen = np.random.default_rng(0)
+    outcomes = set()
+    for _ in range(300):
+        n = int(gen.integers(1, 6))
+        n_pad, rows = n + int(gen.integers(0, 3)), int(gen.integers(1, 10))
+        slots = gen.permutation(np.arange(1, 6))[:n].tolist()
+        starts = gen.integers(0, 42, n).tolist()
+        counts = gen.integers(0, 11, n).tolist()
+        want = _append_rows_by_loop(pool, slots, starts, counts, n_pad, rows)
+        got = append_rows(pool, slots, starts, counts, n_pad, rows)
+        outcomes.add(want is None)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None
+        assert got[0].tolist() == want[0].tolist()
+        assert got[2].tolist() == want[2]
+        scratch = want[1] == -1
+        assert (got[1][~scratch] == want[1][~scratch]).all()
+        assert (got[1] < np.broadcast_to(caps, got[1].shape))[scratch].all()  # slot 0's rows
+    assert outcomes == {True, False}  # both the graphable and the refused cases came up
 
 
 @pytest.mark.gpu

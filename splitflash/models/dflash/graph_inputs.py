@@ -72,38 +72,49 @@ def views(buf: torch.Tensor, n_pad: int, t: int, rows: int, n_layers: int):
 
 
 @lru_cache(maxsize=64)
-def _scratch_rows(caps: tuple[int, ...], n: int) -> np.ndarray:
-    """[L, n] int64: row i of every layer on scratch slot 0 (distinct rows where the slot
-    has enough), what unused append rows write to. Read-only: callers copy it."""
-    out = np.stack([np.arange(n, dtype=np.int64) % cap for cap in caps])
-    out.flags.writeable = False
-    return out
+def _layer_rows(caps: tuple[int, ...], windows: tuple[int | None, ...], n: int):
+    """Per layer [L, 1, 1] int64: rows per slot and the ring a position wraps in (the slot's
+    rows on a full layer: its positions stay below them); [L, n] scratch rows: row i of every
+    layer on slot 0 (distinct where the slot has enough), what unused append rows write to;
+    the most rows one write may take (the smallest sliding ring: more would collide) and the
+    end no write may pass (the smallest full layer). Read-only: callers copy what they change."""
+    caps_a = np.asarray(caps, dtype=np.int64)[:, None, None]
+    ring = np.asarray([c if w is None else w for c, w in zip(caps, windows, strict=True)],
+                      dtype=np.int64)[:, None, None]  # fmt: skip
+    scratch = np.arange(n, dtype=np.int64)[None] % caps_a[:, 0]
+    for a in (caps_a, ring, scratch):
+        a.flags.writeable = False
+    most = min((w for w in windows if w is not None), default=n)
+    end = min((c for c, w in zip(caps, windows, strict=True) if w is None), default=2**62)
+    return caps_a, ring, scratch, most, end
 
 
 def append_rows(
     pool: DraftKVPool, slots: Sequence[int], starts: Sequence[int], counts: Sequence[int],
     n_pad: int, rows: int,
-) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
-    """(app_pos [N_pad * R], app_dest [L, N_pad * R]) int64 for request i writing counts[i]
-    context rows from position starts[i] into pool slot slots[i]; R = rows per request.
-    dest = slot * cap_l + (pos % W on a sliding layer, pos on a full one), as LayerKV writes
-    them. Unused rows write to scratch slot 0 (never read: padding attends to an empty
-    context). None when a write would not be the eager one: more than R rows, a
-    sliding layer given more rows than its ring (they would collide), or a full layer's
-    rows past the pool's capacity (the eager write moves that layer out of the pool)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:  # fmt: skip
+    """(app_pos [N_pad * R], app_dest [L, N_pad * R], feat_rows [sum counts]) int64 for
+    request i writing counts[i] context rows from position starts[i] into pool slot
+    slots[i]; R = rows per request, feat_rows = the static rows (i * R + r) the requests'
+    features fill, in request order. dest = slot * cap_l + (pos % W on a sliding layer, pos
+    on a full one), as LayerKV writes them. Unused rows write to scratch slot 0 (never
+    read: padding attends to an empty context). None when a write would not be the eager
+    one: more than R rows, a sliding layer given more rows than its ring (they would
+    collide), or a full layer's rows past the pool's capacity (the eager write moves that
+    layer out of the pool). Vectorised over requests: at batch 32, a loop over requests and
+    layers was most of a draft call's host work (bench.draft_host)."""
     caps = tuple(k.shape[1] for k in pool.k)
+    caps_a, ring, scratch, most, end = _layer_rows(caps, tuple(pool.windows), n_pad * rows)
+    ends = (s + n for s, n in zip(starts, counts, strict=True) if n)
+    if max(counts) > min(rows, most) or max(ends, default=0) > end:
+        return None
+    n = len(slots)
+    r = np.arange(rows, dtype=np.int64)
+    used = r < np.asarray(counts, dtype=np.int64)[:, None]  # [N, R]
+    pos = np.asarray(starts, dtype=np.int64)[:, None] + r  # [N, R]
     app_pos = np.zeros(n_pad * rows, dtype=np.int64)
-    app_dest = _scratch_rows(caps, n_pad * rows).copy()
-    for i, (slot, start, n) in enumerate(zip(slots, starts, counts, strict=True)):
-        if n > rows:
-            return None
-        if n == 0:
-            continue
-        pos = np.arange(start, start + n, dtype=np.int64)
-        app_pos[i * rows : i * rows + n] = pos
-        for li, (cap, win) in enumerate(zip(caps, pool.windows, strict=True)):
-            if (win is not None and n > win) or (win is None and start + n > cap):
-                return None
-            row = pos % win if win is not None else pos
-            app_dest[li, i * rows : i * rows + n] = slot * cap + row
-    return app_pos, app_dest
+    app_pos[: n * rows] = (pos * used).ravel()
+    app_dest = scratch.copy()  # [L, N_pad * R]
+    dest = np.asarray(slots, dtype=np.int64)[None, :, None] * caps_a + pos % ring  # [L, N, R]
+    np.copyto(app_dest[:, : n * rows].reshape(len(caps), n, rows), dest, where=used)
+    return app_pos, app_dest, np.flatnonzero(used)

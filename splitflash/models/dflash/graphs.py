@@ -32,7 +32,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from splitflash.kernels.tuning import kv_bucket
@@ -136,12 +135,12 @@ class DraftGraphs(CaptureStats):
         planned = append_rows(self.pool, slots, starts, counts, key[0], rows)
         if planned is None:
             return None
+        app_pos, app_dest, feat_rows = planned
         feats = [a[0] for a in appends if a is not None]
         step = StepInputs(
             [int(a) for a in anchor_token_ids], [int(p) for p in anchor_positions], t,
-            slots, n_ctx, *planned,
-            app_rows=torch.from_numpy(np.concatenate([np.arange(i * rows, i * rows + n)
-                                      for i, n in enumerate(counts) if n])) if feats else None,
+            slots, n_ctx, app_pos, app_dest,
+            app_rows=torch.from_numpy(feat_rows) if feats else None,
             app_feats=joined_rows(feats, self.device) if feats else None,
         )  # fmt: skip
         entry = self._graphs.get(key)

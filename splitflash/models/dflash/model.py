@@ -7,7 +7,7 @@ hd head dim, V vocab. Context features of committed tokens enter the draft KV ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 
 import torch
@@ -135,8 +135,9 @@ class DFlashDrafter(nn.Module):
             keys_read_last=[0] * len(self.policy),
         )
 
-    def _check_state(self, state: DFlashState) -> None:
-        if state.fingerprint != self._fingerprint():
+    def _check_states(self, states: Iterable[DFlashState]) -> None:
+        fingerprint = self._fingerprint()  # built once: per state it was most of a check
+        if any(state.fingerprint != fingerprint for state in states):
             raise DFlashDesyncError("DFlash state was created by another drafter or policy")
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,9 +164,9 @@ class DFlashDrafter(nn.Module):
     def check_appends(self, items: Sequence[tuple[DFlashState, torch.Tensor, int]]) -> None:
         """Validate appends (state, features [n, K*D], start_pos) without writing: each must
         start where its state's context (plus its earlier items) ends."""
+        self._check_states(state for state, _, _ in items)
         held: dict[int, int] = {}  # id(state) -> context held after the items so far
         for state, features, start_pos in items:
-            self._check_state(state)
             expected = held.get(id(state), state.n_ctx)
             if start_pos != expected:
                 raise DFlashDesyncError(
@@ -242,9 +243,8 @@ class DFlashDrafter(nn.Module):
             raise ValueError("draft_batch needs one anchor token and position per state (N >= 1)")
         if held is None:
             held = [s.n_ctx for s in states]
-        for state, tok, pos, n in zip(states, anchor_token_ids, anchor_positions, held,
-                                      strict=True):  # fmt: skip
-            self._check_state(state)
+        self._check_states(states)
+        for tok, pos, n in zip(anchor_token_ids, anchor_positions, held, strict=True):
             if pos != n:
                 raise DFlashDesyncError(
                     f"draft desync: anchor at position {pos} but the drafter holds "

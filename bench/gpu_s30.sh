@@ -1,0 +1,28 @@
+#!/bin/bash
+# Session 30 (H200 or H100). carry [".whl"].
+#   bash bench/gpu_s30.sh a   the split-K GPU tests; the verify step with split-K off / auto
+#        (K >= 1024 only) alternated twice; the shipped drafter's graphs; the linears' cold
+#        split sweep (fold fixed); the kernel bench at batch 1 (8k, 32k; q 1, 16); the draft
+#        call's host work on this machine's CPU
+source bench/gpu_setup.sh
+
+verify_ab() {  # $1: seconds per run; the rest: SPLITFLASH_LINEAR_SPLIT_K of each run
+  local limit=$1; shift
+  for s in "$@" ; do
+    SPLITFLASH_LINEAR_SPLIT_K=$s timeout "$limit" python3 -m bench.verify_step --contexts 512 \
+      185000 --q-lens 16 1 --reps 40 --json-out "$OUT/verify_step_split${s}_$SECONDS.json" \
+      2>&1 | grep -E "\] ctx" | sed "s|^|split=$s |"
+  done
+}
+
+if [ "$1" = a ]; then
+  timeout 100 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py 2>&1 | tail -2
+  verify_ab 40 1 auto 1 auto
+  timeout 50 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 20 \
+    --json-out "$OUT/draft_graphs_shipped.json" 2>&1 | grep -v Warning | tail -4
+  timeout 60 python3 -m bench.linear_sweep --splits 1 3 6 0 --cold --rows 16 \
+    --reps 15 --json-out "$OUT/linear_split.json" 2>&1 | grep "^M "
+  timeout 90 python3 -m bench.kernels --batch-sizes 1 --kv-lens 8192,32768 --q-lens 1,16 \
+    --out "$OUT/kernels_b1.json" 2>&1 | tail -6
+  timeout 40 python3 -m bench.draft_host --batches 1 8 --reps 200 2>&1 | tail -3
+fi
