@@ -3,7 +3,7 @@
 #   bash bench/gpu_s30.sh a   the split-K GPU tests; the verify step with split-K off / auto
 #        (K >= 1024 only) alternated twice; the shipped drafter's graphs; the linears' cold
 #        split sweep (fold fixed); the kernel bench at batch 1 (8k, 32k; q 1, 16); the draft
-#        call's host work on this machine's CPU
+#        call's host work on this machine's CPU, before (carry before/) and after
 source bench/gpu_setup.sh
 
 verify_ab() {  # $1: seconds per run; the rest: SPLITFLASH_LINEAR_SPLIT_K of each run
@@ -24,5 +24,10 @@ if [ "$1" = a ]; then
     --reps 15 --json-out "$OUT/linear_split.json" 2>&1 | grep "^M "
   timeout 90 python3 -m bench.kernels --batch-sizes 1 --kv-lens 8192,32768 --q-lens 1,16 \
     --out "$OUT/kernels_b1.json" 2>&1 | tail -6
-  timeout 40 python3 -m bench.draft_host --batches 1 8 --reps 200 2>&1 | tail -3
+  for i in 1 2 ; do  # before/ = commit 159cef0's splitflash and bench (carry it)
+    (cd before && PYTHONPATH=$PWD:/tmp/site timeout 40 python3 -m bench.draft_host \
+      --batches 1 8 32 --reps 100 2>&1 | tail -3 | sed "s|^|before |")
+    timeout 40 python3 -m bench.draft_host --batches 1 8 32 --reps 100 2>&1 | tail -3 \
+      | sed "s|^|after  |"
+  done
 fi
