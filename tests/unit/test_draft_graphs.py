@@ -82,6 +82,22 @@ def test_graph_steps_equal_eager_steps_with_padding():
                                    rtol=0, atol=0)  # fmt: skip
 
 
+def test_greedy_steps_return_the_argmax_of_the_logits_and_keep_them_intact():
+    drafter = make()
+    pool = DraftKVPool(drafter, slots=4, context=64)
+    graphs = DraftGraphs(drafter, pool, batch_sizes=(4,), capture=False)
+    eager, pooled = twin_states(drafter, pool, 3)
+    lengths = [2, W, 3 * W + 1]
+    grow(drafter, eager, lengths, [0] * 3)
+    grow(drafter, pooled, lengths, [0] * 3)
+    want = drafter.draft_batch(eager, [5, 9, 21], lengths, 6)  # [3, 5, V]
+    ids = graphs.run(pooled, [5, 9, 21], lengths, 6, greedy=True)
+    assert ids.shape == (3, 5) and torch.equal(ids, want.argmax(-1))
+    logits = graphs.run(pooled, [5, 9, 21], lengths, 6)
+    graphs.run(pooled[:1], [7], lengths[:1], 6, greedy=True)  # the same graph replays
+    torch.testing.assert_close(logits, want, **TOL)  # returned logits are the caller's own
+
+
 def test_a_full_lru_drops_the_oldest_graph_and_its_key_captures_again():
     drafter = make()
     pool = DraftKVPool(drafter, slots=8, context=128)

@@ -109,12 +109,14 @@ class DraftGraphs(CaptureStats):
         anchor_positions: Sequence[int],
         block_size: int | None = None,
         appends: Sequence[tuple[torch.Tensor, int] | None] | None = None,
+        greedy: bool = False,
     ) -> torch.Tensor | None:
         """Logits [N, T-1, V] of one draft step from a graph (draft_batch's contract), or None
         when no graph fits it: the caller then writes the appends and runs draft_batch
         eagerly (nothing was written). appends[i] = (features [n_i, K*D], start_pos) of
         state i's context rows not yet in its cache (n_i <= the block size), or None; the
-        graph writes them before drafting, and the anchors follow them."""
+        graph writes them before drafting, and the anchors follow them. greedy: the logits'
+        argmax [N, T-1] instead, read from the static logits (no copy of them is made)."""
         drafter = self.drafter
         appends = list(appends) if appends is not None else [None] * len(states)
         if len(appends) != len(states):
@@ -162,7 +164,8 @@ class DraftGraphs(CaptureStats):
         for state, n in zip(states, n_ctx, strict=True):
             state.n_ctx = n  # the rows are in the pool now
             state.keys_read_last = self.pool.keys_read(n)
-        return entry.out[: len(states)].clone()
+        logits = entry.out[: len(states)]  # the next replay overwrites these: copy or reduce
+        return logits.argmax(-1) if greedy else logits.clone()
 
     def _forward(self, entry: _Captured, bucket: int) -> torch.Tensor:
         """The captured step: the context rows into the pool, then the block."""

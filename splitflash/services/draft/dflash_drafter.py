@@ -215,15 +215,16 @@ class DFlashProposer:
         self._flush(keep=deferred)
         picked = [self._anchor(r) for r in request_ids]
         args = ([p[0].cache for p in picked], [p[1] for p in picked], [p[2] for p in picked])
-        logits = None
+        drafted = None  # [N, k] token ids
         if self.graphs is not None:
             appends = [_joined(self.requests[r].pending) if r in deferred else None
                        for r in request_ids]  # fmt: skip
-            logits = self.graphs.run(*args, block_size=k + 1, appends=appends)
-        self.forwards["eager" if logits is None else "graph"] += 1
-        if logits is None:
+            drafted = self.graphs.run(*args, block_size=k + 1, appends=appends, greedy=True)
+        self.forwards["eager" if drafted is None else "graph"] += 1
+        if drafted is None:
             self._flush()  # the graph wrote nothing: the rows go in eagerly
             logits = self.drafter.draft_batch(*args, block_size=k + 1, pool=self.pool)
+            drafted = logits.argmax(-1)
         else:
             for r in deferred:
                 self.requests[r].pending = []  # the graph wrote them
@@ -232,7 +233,7 @@ class DFlashProposer:
                 p[0].cache.layer_kinds, p[0].cache.keys_read_last, strict=True
             ):
                 self._keys_read[kind] = self._keys_read.get(kind, 0) + layer_reads
-        return logits.argmax(-1).tolist()  # [N, k]
+        return drafted.tolist()
 
     # ---- facts for logs and metrics ------------------------------------------------------
     def policy_string(self) -> str:
