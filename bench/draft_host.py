@@ -55,7 +55,7 @@ def measure(batch: int, rows: int, reps: int) -> float:
     def one():
         for state in states:
             state.n_ctx = 300  # the same step again
-        graphs.run(states, anchors, positions, 16, appends=appends)
+        graphs.run(states, anchors, positions, 16, appends=appends, greedy=True)  # as proposed
 
     for _ in range(reps):
         one()
