@@ -15,19 +15,20 @@ verify_ab() {  # $1: seconds per run; the rest: SPLITFLASH_LINEAR_SPLIT_K of eac
   done
 }
 
-if [ "$1" = a ]; then
-  timeout 100 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py 2>&1 | tail -2
+if [ "$1" = a ]; then  # most wanted first: a call may be cut off
   verify_ab 40 1 auto 1 auto
   timeout 50 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 20 \
     --json-out "$OUT/draft_graphs_shipped.json" 2>&1 | grep -v Warning | tail -4
-  timeout 60 python3 -m bench.linear_sweep --splits 1 3 6 0 --cold --rows 16 \
-    --reps 15 --json-out "$OUT/linear_split.json" 2>&1 | grep "^M "
-  timeout 90 python3 -m bench.kernels --batch-sizes 1 --kv-lens 8192,32768 --q-lens 1,16 \
-    --out "$OUT/kernels_b1.json" 2>&1 | tail -6
   for i in 1 2 ; do  # before/ = commit 159cef0's splitflash and bench (carry it)
-    (cd before && PYTHONPATH=$PWD:/tmp/site timeout 40 python3 -m bench.draft_host \
+    (cd before && PYTHONPATH=$PWD:/tmp/site timeout 30 python3 -m bench.draft_host \
       --batches 1 8 32 --reps 100 2>&1 | tail -3 | sed "s|^|before |")
-    timeout 40 python3 -m bench.draft_host --batches 1 8 32 --reps 100 2>&1 | tail -3 \
+    timeout 30 python3 -m bench.draft_host --batches 1 8 32 --reps 100 2>&1 | tail -3 \
       | sed "s|^|after  |"
   done
+  timeout 100 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py \
+    tests/unit/test_draft_graphs.py tests/unit/test_draft_graph_appends.py 2>&1 | tail -2
+  timeout 90 python3 -m bench.kernels --batch-sizes 1 --kv-lens 8192,32768 --q-lens 1,16 \
+    --out "$OUT/kernels_b1.json" 2>&1 | tail -6
+  timeout 60 python3 -m bench.linear_sweep --splits 1 3 6 0 --cold --rows 16 \
+    --reps 15 --json-out "$OUT/linear_split.json" 2>&1 | grep "^M "
 fi
