@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from splitflash.cli.generate import stop_token_ids
     from splitflash.models import store
-    from splitflash.services.draft.dflash_drafter import default_drafter_path, load_proposer
+    from splitflash.services.draft.dflash_loading import default_drafter_path, load_proposer
 
     p = argparse.ArgumentParser(prog="python -m bench.drafter", description=__doc__)
     p.add_argument("--target", default=store.DEFAULT_TARGET)

@@ -14,7 +14,7 @@ import time
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from splitflash.services.draft.dflash_drafter import build_dflash_drafter
+    from splitflash.services.draft.dflash_loading import build_dflash_drafter
 
     p = argparse.ArgumentParser(prog="python -m bench.flush_probe", description=__doc__)
     p.add_argument("--target", default="smollm2-135m")

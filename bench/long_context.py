@@ -130,7 +130,7 @@ def run(args) -> list[dict]:
     from splitflash.local import generate_local
     from splitflash.models import store
     from splitflash.models.loading import load_tokenizer
-    from splitflash.services.draft.dflash_drafter import build_dflash_drafter
+    from splitflash.services.draft.dflash_loading import build_dflash_drafter
     from splitflash.services.gateway.spec_gate import SpecGate
     from splitflash.services.verify.config import VerifySettings
     from splitflash.services.verify.loader import load_engine

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from splitflash.local import generate_local, open_local
 from splitflash.models import store
-from splitflash.services.draft.dflash_drafter import default_drafter_path, load_proposer
+from splitflash.services.draft.dflash_loading import default_drafter_path, load_proposer
 from splitflash.services.draft.ngram import NgramDrafter
 from splitflash.services.verify.sampling import Sampling
 

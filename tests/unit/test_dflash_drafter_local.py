@@ -166,7 +166,7 @@ def test_shipped_default_drafter_loads_strictly():
     from torch import nn
 
     from splitflash.models.dflash import load_dflash
-    from splitflash.services.draft.dflash_drafter import default_drafter_path
+    from splitflash.services.draft.dflash_loading import default_drafter_path
 
     path = default_drafter_path("smollm2-135m")
     assert (path / "model.safetensors").stat().st_size <= 25 * 2**20

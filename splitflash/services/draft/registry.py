@@ -30,7 +30,7 @@ from splitflash.services.draft.ngram import NgramDrafter, NgramSettings
 
 log = logging.getLogger(__name__)
 
-DFLASH_MODULE = "splitflash.services.draft.dflash_drafter"
+DFLASH_MODULE = "splitflash.services.draft.dflash_loading"
 DFLASH_FACTORY = "build_dflash_drafter"
 
 
