@@ -1,9 +1,10 @@
 #!/bin/bash
 # Session 30 (H200 or H100). carry [".whl"].
-#   bash bench/gpu_s30.sh a   the split-K GPU tests; the verify step with split-K off / auto
-#        (K >= 1024 only) alternated twice; the shipped drafter's graphs; the linears' cold
-#        split sweep (fold fixed); the kernel bench at batch 1 (8k, 32k; q 1, 16); the draft
-#        call's host work on this machine's CPU, before (carry before/) and after
+#   bash bench/gpu_s30.sh a   the verify step with split-K off / auto (K >= 1024 only)
+#        alternated twice; the shipped drafter's graphs; the draft call's host work on this
+#        machine's CPU, before (carry before/) and after; the split-K and draft-graph GPU tests
+#   bash bench/gpu_s30.sh b   the kernel bench at batch 1 (8k, 32k; q 1, 16); the linears'
+#        cold split sweep (fold fixed)
 source bench/gpu_setup.sh
 
 verify_ab() {  # $1: seconds per run; the rest: SPLITFLASH_LINEAR_SPLIT_K of each run
@@ -15,18 +16,18 @@ verify_ab() {  # $1: seconds per run; the rest: SPLITFLASH_LINEAR_SPLIT_K of eac
   done
 }
 
-if [ "$1" = a ]; then  # most wanted first: a call may be cut off
+if [ "$1" = a ]; then  # most wanted first: a call may be cut off (~330 s in all)
   verify_ab 40 1 auto 1 auto
   timeout 50 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 20 \
     --json-out "$OUT/draft_graphs_shipped.json" 2>&1 | grep -v Warning | tail -4
-  for i in 1 2 ; do  # before/ = commit 159cef0's splitflash and bench (carry it)
-    (cd before && PYTHONPATH=$PWD:/tmp/site timeout 30 python3 -m bench.draft_host \
-      --batches 1 8 32 --reps 100 2>&1 | tail -3 | sed "s|^|before |")
-    timeout 30 python3 -m bench.draft_host --batches 1 8 32 --reps 100 2>&1 | tail -3 \
-      | sed "s|^|after  |"
-  done
-  timeout 100 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py \
+  # before/ = commit 159cef0's splitflash and bench (carry it)
+  (cd before && PYTHONPATH=$PWD:/tmp/site timeout 25 python3 -m bench.draft_host \
+    --batches 1 8 32 --reps 100 2>&1 | tail -3 | sed "s|^|before |")
+  timeout 25 python3 -m bench.draft_host --batches 1 8 32 --reps 100 2>&1 | tail -3 \
+    | sed "s|^|after  |"
+  timeout 80 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py \
     tests/unit/test_draft_graphs.py tests/unit/test_draft_graph_appends.py 2>&1 | tail -2
+elif [ "$1" = b ]; then  # the rest, if device time is left
   timeout 90 python3 -m bench.kernels --batch-sizes 1 --kv-lens 8192,32768 --q-lens 1,16 \
     --out "$OUT/kernels_b1.json" 2>&1 | tail -6
   timeout 60 python3 -m bench.linear_sweep --splits 1 3 6 0 --cold --rows 16 \
