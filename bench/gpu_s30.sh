@@ -16,8 +16,8 @@ verify_ab() {  # $1: seconds per run; the rest: SPLITFLASH_LINEAR_SPLIT_K of eac
   done
 }
 
-if [ "$1" = a ]; then  # most wanted first: a call may be cut off (~330 s in all)
-  verify_ab 40 1 auto 1 auto
+if [ "$1" = a ]; then  # most wanted first: a call may be cut off (~380 s at most)
+  verify_ab 50 1 auto 1 auto
   timeout 50 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 20 \
     --json-out "$OUT/draft_graphs_shipped.json" 2>&1 | grep -v Warning | tail -4
   # before/ = commit 159cef0's splitflash and bench (carry it)
