@@ -84,7 +84,7 @@ def _layer_rows(caps: tuple[int, ...], windows: tuple[int | None, ...], n: int):
     scratch = np.arange(n, dtype=np.int64)[None] % caps_a[:, 0]
     for a in (caps_a, ring, scratch):
         a.flags.writeable = False
-    most = min((w for w in windows if w is not None), default=n)
+    most = min((w for w in windows if w is not None), default=2**62)
     end = min((c for c, w in zip(caps, windows, strict=True) if w is None), default=2**62)
     return caps_a, ring, scratch, most, end
 
