@@ -16,18 +16,18 @@ verify_ab() {  # $1: seconds per run; the rest: SPLITFLASH_LINEAR_SPLIT_K of eac
   done
 }
 
-if [ "$1" = a ]; then  # most wanted first: a call may be cut off (~340 s at most)
+if [ "$1" = a ]; then  # most wanted first: a call may be cut off (~240 s at most)
   verify_ab 45 1 auto
   timeout 45 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 20 \
     --json-out "$OUT/draft_graphs_shipped.json" 2>&1 | grep -v Warning | tail -4
   # before/ = commit 159cef0's splitflash and bench (carry it)
-  (cd before && PYTHONPATH=$PWD:/tmp/site timeout 25 python3 -m bench.draft_host \
+  (cd before && PYTHONPATH=$PWD:/tmp/site timeout 20 python3 -m bench.draft_host \
     --batches 1 8 32 --reps 100 2>&1 | tail -3 | sed "s|^|before |")
-  timeout 25 python3 -m bench.draft_host --batches 1 8 32 --reps 100 2>&1 | tail -3 \
+  timeout 20 python3 -m bench.draft_host --batches 1 8 32 --reps 100 2>&1 | tail -3 \
     | sed "s|^|after  |"
   timeout 60 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py \
     tests/unit/test_draft_graphs.py tests/unit/test_draft_graph_appends.py 2>&1 | tail -2
-  verify_ab 45 1 auto
+  verify_ab 45 1 auto  # run only if the call's limit leaves room
 elif [ "$1" = b ]; then  # the rest, if device time is left
   timeout 90 python3 -m bench.kernels --batch-sizes 1 --kv-lens 8192,32768 --q-lens 1,16 \
     --out "$OUT/kernels_b1.json" 2>&1 | tail -6
