@@ -18,18 +18,21 @@ import json
 import statistics
 import sys
 import time
+import timeit
 
 VOCAB = 256
 
 
-def measure(batch: int, rows: int, reps: int) -> tuple[float, float]:
+def measure(batch: int, rows: int, reps: int) -> tuple[float, float, float]:
     """(median, fastest) us of one DraftGraphs.run (forward stubbed) over 15 rounds of `reps`
-    calls: on a shared machine the fastest round is the steadier figure for A/B."""
+    calls (on a shared machine the fastest round is the steadier figure for A/B), and the
+    fastest round's us of its append planning alone (graph_inputs.append_rows)."""
     import torch
 
     from bench.draft_graphs import ASSET, _fill
     from splitflash.models.dflash import DFlashDrafter
     from splitflash.models.dflash.config import DFlashConfig
+    from splitflash.models.dflash.graph_inputs import append_rows
     from splitflash.models.dflash.graphs import DraftGraphs
     from splitflash.models.dflash.pool import DraftKVPool
 
@@ -66,7 +69,9 @@ def measure(batch: int, rows: int, reps: int) -> tuple[float, float]:
         for _ in range(reps):
             one()
         rounds.append((time.perf_counter() - start) * 1e6 / reps)
-    return statistics.median(rounds), min(rounds)
+    plan = (pool, pool.slots_of(states), [300] * batch, [rows] * batch, batch, 16)
+    planning = min(timeit.repeat(lambda: append_rows(*plan), number=reps, repeat=15))
+    return statistics.median(rounds), min(rounds), planning * 1e6 / reps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     for b in args.batches:
-        median, fastest = measure(b, args.rows, args.reps)
-        print(f"B {b:3d}: {median:8.1f} us per draft call (host), fastest round {fastest:.1f}",
-              flush=True)  # fmt: skip
+        median, fastest, planning = measure(b, args.rows, args.reps)
+        print(f"B {b:3d}: {median:8.1f} us per draft call (host), fastest round {fastest:.1f}"
+              f", append planning {planning:.1f}", flush=True)  # fmt: skip
     return 0
 
 
