@@ -20,9 +20,10 @@ if [ "$1" = a ]; then  # most wanted first: a call may be cut off (~240 s at mos
   verify_ab 45 1 auto
   timeout 45 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 20 \
     --json-out "$OUT/draft_graphs_shipped.json" 2>&1 | grep -v Warning | tail -4
-  # before/ = commit 159cef0's splitflash and bench (carry it)
-  (cd before && PYTHONPATH=$PWD:/tmp/site timeout 20 python3 -m bench.draft_host \
-    --batches 1 8 32 --reps 100 2>&1 | tail -3 | sed "s|^|before |")
+  # before/: commit 159cef0's splitflash/ and bench/, its bench/draft_host.py replaced by
+  # this one minus `greedy=True` (bench/RESULTS.md, session 30); carry it
+  [ -d before ] && (cd before && PYTHONPATH=$PWD:/tmp/site timeout 20 python3 -m \
+    bench.draft_host --batches 1 8 32 --reps 100 2>&1 | tail -3 | sed "s|^|before |")
   timeout 20 python3 -m bench.draft_host --batches 1 8 32 --reps 100 2>&1 | tail -3 \
     | sed "s|^|after  |"
   timeout 60 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py \
