@@ -4,19 +4,8 @@
 #        drafter; the verify step with split-K off / splitting every launch of fewer tiles
 #        than SMs (the first rule); the drafter as modules / fused; the linears' cold split
 #        sweep
-#   bash bench/gpu_s29.sh ab2   (not run yet; split-K now off by default, `auto` splits K >=
-#        1024 only) the split-K GPU tests; the verify step off / auto / off / auto; the
-#        drafter (fused, split-K off: the shipped code) once; the linears' cold split sweep
+#   (its second mode, never run, became bench/gpu_s30.sh a)
 source bench/gpu_setup.sh
-
-verify_ab() {  # $1: seconds per run; the rest: SPLITFLASH_LINEAR_SPLIT_K of each run
-  local limit=$1; shift
-  for s in "$@" ; do
-    SPLITFLASH_LINEAR_SPLIT_K=$s timeout "$limit" python3 -m bench.verify_step --contexts 512 \
-      185000 --q-lens 16 1 --reps 40 --json-out "$OUT/verify_step_split${s}_$SECONDS.json" \
-      2>&1 | grep -E "\] ctx" | sed "s|^|split=$s |"
-  done
-}
 
 if [ "$1" = all ]; then
   timeout 240 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py \
@@ -30,12 +19,5 @@ if [ "$1" = all ]; then
       | grep -v Warning | tail -5 | sed "s|^|fused=$f |"
   done
   timeout 120 python3 -m bench.linear_sweep --splits 1 2 3 6 0 --cold --rows 16 \
-    --reps 15 --json-out "$OUT/linear_split_s29.json" 2>&1 | grep "^M "
-elif [ "$1" = ab2 ]; then
-  timeout 100 python3 -m pytest -q -m gpu tests/unit/test_kernels_split_k.py 2>&1 | tail -2
-  verify_ab 30 1 auto 1 auto
-  timeout 50 python3 -m bench.draft_graphs --contexts 2048 131072 --batches 1 8 --reps 20 \
-    --json-out "$OUT/draft_graphs_shipped.json" 2>&1 | grep -v Warning | tail -4
-  timeout 60 python3 -m bench.linear_sweep --splits 1 3 6 0 --cold --rows 16 \
     --reps 15 --json-out "$OUT/linear_split_s29.json" 2>&1 | grep "^M "
 fi

@@ -1,20 +1,11 @@
 #!/bin/bash
-# Session 30 (H200 or H100). carry [".whl"].
+# Session 30 (H200 or H100). carry [".whl", "before"].
 #   bash bench/gpu_s30.sh a   the verify step with split-K off / auto (K >= 1024 only)
 #        alternated twice; the shipped drafter's graphs; the draft call's host work on this
 #        machine's CPU, before (carry before/) and after; the split-K and draft-graph GPU tests
 #   bash bench/gpu_s30.sh b   the kernel bench at batch 1 (8k, 32k; q 1, 16); the linears'
 #        cold split sweep (fold fixed)
 source bench/gpu_setup.sh
-
-verify_ab() {  # $1: seconds per run; the rest: SPLITFLASH_LINEAR_SPLIT_K of each run
-  local limit=$1; shift
-  for s in "$@" ; do
-    SPLITFLASH_LINEAR_SPLIT_K=$s timeout "$limit" python3 -m bench.verify_step --contexts 512 \
-      185000 --q-lens 16 1 --reps 40 --json-out "$OUT/verify_step_split${s}_$SECONDS.json" \
-      2>&1 | grep -E "\] ctx" | sed "s|^|split=$s |"
-  done
-}
 
 if [ "$1" = a ]; then  # most wanted first: a call may be cut off (~240 s at most)
   verify_ab 45 1 auto
