@@ -22,11 +22,12 @@ from splitflash.kernels.tuning import next_pow2
 
 
 def rotate_half_rope_ref(
-    x: torch.Tensor,  # [M, H, hd]
-    cos: torch.Tensor,  # [M, hd]
-    sin: torch.Tensor,  # [M, hd]
-) -> torch.Tensor:  # [M, H, hd]
-    """apply_rope of models/dflash/layers.py: x * cos + rotate_half(x) * sin."""
+    x: torch.Tensor,  # [..., M, H, hd]
+    cos: torch.Tensor,  # [..., M, hd], broadcast over the heads
+    sin: torch.Tensor,  # [..., M, hd]
+) -> torch.Tensor:  # [..., M, H, hd]
+    """HF's rotate-half RoPE, x * cos + rotate_half(x) * sin; the drafter's apply_rope
+    (models/dflash/layers.py) is this function."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitflash.kernels.head_norm_rope import rotate_half_rope_ref as apply_rope
 from splitflash.models.dflash.config import DFlashConfig
 from splitflash.models.rope import rope_inv_freq
 
@@ -36,13 +37,6 @@ def rope_cos_sin(
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., n, heads, hd]; cos/sin [..., n, hd] broadcast over heads."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 class SwiGLU(nn.Module):
