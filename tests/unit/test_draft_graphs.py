@@ -12,7 +12,7 @@ import torch
 from splitflash.models.dflash.cache import TORCH_ATTENTION, TRITON_ATTENTION
 from splitflash.models.dflash.graphs import DraftGraphs
 from splitflash.models.dflash.pool import DraftKVPool
-from splitflash.services.draft.dflash_drafter import DFlashProposer
+from splitflash.services.draft.dflash_drafter import STAGE_ROWS, DFlashProposer
 from tests.unit.kernel_env import CUDA, INTERPRET, needs_triton
 from tests.unit.test_dflash_support import cfg_dict, feats, make, shared
 
@@ -255,3 +255,35 @@ def test_graphs_of_one_batch_and_block_share_their_logits_and_replay_in_any_orde
     assert sorted(graphs._graphs) == [(1, 6, 256), (1, 6, 512)]
     first, second = graphs._graphs.values()
     assert first.out is second.out and graphs.captures == 2 and graphs.replays == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU, TRITON_INTERPRET unset")
+def test_a_steps_host_features_are_staged_on_the_gpu_and_draft_what_device_rows_do():
+    """Host rows of a step (<= STAGE_ROWS) move to the GPU on arrival, a prompt's stay on the
+    host; either way the proposals equal those of a proposer given the rows on the GPU."""
+    drafter = make(cfg_dict(window=64)).cuda()
+    emb, head = shared(0)
+    drafter.attach_shared(torch.nn.Embedding.from_pretrained(emb.weight.cuda()), head.cuda())
+    props = []
+    for _ in range(2):
+        pool = DraftKVPool(drafter, slots=4, context=1024)
+        props.append(DFlashProposer(drafter, pool, DraftGraphs(drafter, pool, batch_sizes=(2,))))
+    staged, direct = props
+    prompts = {"a": list(range(1, 12)), "b": list(range(1, 1 + STAGE_ROWS + 10))}
+    for rid, ids in prompts.items():
+        for prop, dev in ((staged, "cpu"), (direct, "cuda")):
+            prop.open(rid, ids)
+            prop.add_features(rid, 0, feats(len(ids) - 1, seed=len(ids)).to(dev))
+    assert staged.requests["a"].pending[0][1].is_cuda  # 10 rows: staged
+    assert not staged.requests["b"].pending[0][1].is_cuda  # a prompt's 73 rows stay
+    for step in range(3):
+        got, want = (p.propose_batch(["a", "b"], 5) for p in (staged, direct))
+        assert got == want
+        for rid, ids in prompts.items():
+            ids.extend([7 + step, 8 + step])
+            for prop, dev in ((staged, "cpu"), (direct, "cuda")):
+                prop.extend(rid, ids[-2:], len(ids))
+                prop.add_features(rid, len(ids) - 3, feats(2, seed=step).to(dev))
+            assert staged.requests[rid].pending[-1][1].is_cuda
+    assert staged.pop_forwards() == {"graph": 3, "eager": 0}

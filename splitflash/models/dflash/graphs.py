@@ -196,7 +196,8 @@ class DraftGraphs(CaptureStats):
         host = pack(step, n_pad, rows, self.drafter.config.mask_token_id, pin=cuda)
         entry.buf.copy_(host, non_blocking=cuda)
         if step.app_feats is not None:
-            dest = step.app_rows.to(self.device, non_blocking=cuda)
+            rows_host = step.app_rows.pin_memory() if cuda else step.app_rows  # async copy
+            dest = rows_host.to(self.device, non_blocking=cuda)
             entry.app_feats.index_copy_(0, dest, step.app_feats.to(entry.app_feats.dtype))
 
     def _capture(self, key, step: StepInputs) -> _Captured:

@@ -24,6 +24,9 @@ from splitflash.models.dflash.pool import DraftKVPool
 # Feature rows projected per batched pass of DFlashProposer._flush: a step's rows (B x 16) go
 # in one pass, a long prompt's in passes of this many (bounded transient memory).
 FLUSH_ROWS = 8192
+# Feature messages of at most this many rows (a verify step's kept rows; a block is <= 64) are
+# staged onto the drafter's GPU on arrival.
+STAGE_ROWS = 64
 
 
 def _merged(pending: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
@@ -121,6 +124,13 @@ class DFlashProposer:
                 f"holds {st.held} context tokens (expected start_pos == {st.held})"
             )
         self.drafter.check_features(features)
+        device = self.drafter.fc.weight.device
+        if device.type == "cuda" and features.device != device and features.shape[0] <= STAGE_ROWS:
+            # A step's rows go to the GPU now, asynchronously from pinned memory (the caching
+            # host allocator holds the block until the copy ran): the copy overlaps the other
+            # requests' messages instead of blocking the next draft call. A prompt's rows stay
+            # on the host and move in FLUSH_ROWS passes (bounded device memory).
+            features = features.pin_memory().to(device, non_blocking=True)
         st.pending.append((start_pos, features))
 
     def _flush(self, keep: frozenset[str] = frozenset()) -> None:
