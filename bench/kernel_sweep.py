@@ -208,7 +208,7 @@ def run(args) -> dict:
     if args.smoke:  # one 8-warp config: 64- and 128-row tiles, tails, several splits
         configs, waves, rep, points, control = [(32, 8, 1)], (1, 2), 1, SMOKE_POINTS, (1, 200, 1)
     else:
-        configs = QUICK if args.quick else CANDIDATES
+        configs = args.configs or (QUICK if args.quick else CANDIDATES)
         waves = QUICK_WAVES if args.quick else WAVES
         points, control = QUICK_POINTS if args.quick else POINTS, CONTROL
         points = args.points or points
@@ -293,6 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         help="B:KV:Q points instead of the default set",
         type=lambda t: tuple(int(x) for x in t.split(":")),
+    )
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        help="BLOCK_N,warps,stages configs instead of the candidate set (e.g. 128,4,3)",
+        type=lambda t: tuple(int(x) for x in t.split(",")),
     )
     ap.add_argument(
         "--layout",
