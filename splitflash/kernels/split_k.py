@@ -8,8 +8,10 @@ launch takes ~4 us for 0.7-1.8 MB (a 185k verify step spent ~0.5 ms of its ~2.2 
 the programs, and bytes in flight, on the same weights.
 
 Off by default: measured on an H100 (bench/RESULTS.md, session 29), short K loops (576
-inputs) lose ~1 us a launch when split, down's 1536 gain ~0.5 us; a verify step with only
-the long ones split (SPLITFLASH_LINEAR_SPLIT_K=auto) is not measured yet.
+inputs) lose ~1 us a launch when split, down's 1536 gain ~0.5 us; and the verify step with
+only the long ones split (SPLITFLASH_LINEAR_SPLIT_K=auto) was no faster than without, in
+two alternated pairs on an H100 (session 31: 185k q16 graph 2.342 / 2.241 ms off against
+2.347 / 2.231 auto; 512 q16 0.721 / 0.710 against 0.744 / 0.729).
 
 How the S partial sums meet without another launch: each program stores its fp32 partial
 [BLOCK_M, BLOCK_N] to a workspace, then counts itself in on an arrival counter of its tile;
@@ -48,8 +50,8 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 
 def split_k_cap() -> int | None:
-    """SPLITFLASH_LINEAR_SPLIT_K: unset, "1" or "0": never split (the default until a whole
-    verify step with the auto rule is measured, bench/RESULTS.md session 29); "auto" (None):
+    """SPLITFLASH_LINEAR_SPLIT_K: unset, "1" or "0": never split (the default: the auto rule
+    did not speed the verify step up, bench/RESULTS.md session 31); "auto" (None):
     launches over K >= AUTO_MIN_K split to fill the SMs; N: at most N splits (sweeps)."""
     text = os.environ.get("SPLITFLASH_LINEAR_SPLIT_K", "1").strip().lower()
     if text == "auto":
