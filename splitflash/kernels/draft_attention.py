@@ -26,7 +26,7 @@ from splitflash.kernels.draft_attention_ref import (
     context_span,
 )
 from splitflash.kernels.online_softmax import attend_tile
-from splitflash.kernels.split_combine import combine_splits, split_buffers
+from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
     CONFIG_SETS,
     INTERPRETER_CONFIG,
@@ -52,7 +52,7 @@ def _draft_attn_kernel(
     n_ctx_ptr,  # [R]
     slots_ptr,  # [R]
     out_ptr,  # [R, B_blk, H, D] (DIRECT_OUT)
-    part_out_ptr,  # [R * B_blk, H, num_splits, D] fp32 or fp16 (split_buffers)
+    part_out_ptr,  # [R * B_blk, H, num_splits, D] fp32
     part_lse_ptr,  # [R * B_blk, H, num_splits] fp32
     keys_read_ptr,  # [R] int32 (COUNT_READS)
     qk_scale, window, w_cap, num_splits, m_tiles,
@@ -148,11 +148,7 @@ def _draft_attn_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)  # fmt: skip
     else:
         part = q_rows * num_splits + split
-        tl.store(
-            part_out_ptr + part[:, None] * D + offs_d[None, :],
-            o.to(part_out_ptr.dtype.element_ty),
-            mask=o_mask,
-        )
+        tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], o, mask=o_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
@@ -223,7 +219,9 @@ def draft_attention_triton(
     if direct:
         part_out = part_lse = out
     else:
-        part_out, part_lse = split_buffers(n_rows, n_heads, plan.num_splits, head_dim, q)
+        part_out = torch.empty(n_rows, n_heads, plan.num_splits, head_dim,
+                               device=dev, dtype=torch.float32)  # fmt: skip
+        part_lse = torch.empty(n_rows, n_heads, plan.num_splits, device=dev, dtype=torch.float32)
     upcast = interp or q.dtype == torch.float32
     args = (
         q, blk_k, blk_v, ctx_k, ctx_v, n_ctx_t, slots_t, out, part_out, part_lse,

@@ -153,39 +153,6 @@ def test_kernel_reads_head_major_pages_bf16_gpu(kv_lens, q_lens, heads, kv_heads
     check_against_oracle(case, torch.bfloat16, num_splits=splits)
 
 
-SPLIT_CASES = [c for c in CASES if c[6] and c[6] > 1]  # forced multi-split launches
-
-
-@pytest.mark.parametrize(
-    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, needs_gpu])]
-)
-@needs_triton
-@pytest.mark.parametrize("kv_lens,q_lens,heads,kv_heads,dim,page,splits", SPLIT_CASES)
-def test_fp16_split_partials_keep_the_oracle_bound(monkeypatch, kv_lens, q_lens, heads, kv_heads,
-                                                  dim, page, splits, dtype):  # fmt: skip
-    from splitflash.kernels.split_combine import split_buffers
-
-    monkeypatch.setenv("SPLITFLASH_ATTN_PARTIALS", "fp16")
-    case = make_case(kv_lens, q_lens, heads, kv_heads, dim, page, dtype, seed=11)
-    assert split_buffers(2, heads, splits, dim, case["q"])[0].dtype == torch.float16
-    check_against_oracle(case, dtype, num_splits=splits)
-
-
-def test_split_partials_setting_is_checked_and_keeps_fp32_inputs_exact(monkeypatch):
-    from splitflash.kernels.split_combine import split_buffers
-
-    q32 = torch.zeros(2, 4, 8)
-    monkeypatch.setenv("SPLITFLASH_ATTN_PARTIALS", "fp16")
-    out, lse = split_buffers(2, 4, 3, 8, q32)
-    assert out.dtype == lse.dtype == torch.float32 and out.shape == (2, 4, 3, 8)
-    assert split_buffers(2, 4, 3, 8, q32.half())[0].dtype == torch.float16
-    monkeypatch.delenv("SPLITFLASH_ATTN_PARTIALS")
-    assert split_buffers(2, 4, 3, 8, q32.half())[0].dtype == torch.float32  # the default
-    monkeypatch.setenv("SPLITFLASH_ATTN_PARTIALS", "half")
-    with pytest.raises(ValueError, match="SPLITFLASH_ATTN_PARTIALS must be fp32 or fp16"):
-        split_buffers(2, 4, 3, 8, q32.half())
-
-
 @needs_triton
 def test_kernel_planned_for_a_longer_bound_matches_oracle():
     # A CUDA graph plans its splits for its KV bucket (up to 2x the real lengths): every
