@@ -11,13 +11,15 @@ from splitflash.services.common.metric_math import (
     INVARIANTS,
     METRICS,
     PREFIX,
+    context_bucket,
+    series_labels,
+)
+from splitflash.services.common.spec_totals import (
     SpecTotals,
     acceptance_rate,
-    context_bucket,
     mean_commit_len,
     per_position_acceptance,
     pool,
-    series_labels,
 )
 
 # (K, max_depth, a, c) per request-step
@@ -89,7 +91,7 @@ def test_empty_totals_are_zero_not_nan() -> None:
     assert mean_commit_len(only_plain) == 1.0 and acceptance_rate(only_plain) == 0.0
 
 
-def test_response_stats_agree_with_metric_math() -> None:
+def test_response_stats_agree_with_the_pooled_math() -> None:
     """services/common/spec_stats.py (the response) computes what the dashboards compute."""
     spec_stats = pytest.importorskip("splitflash.services.common.spec_stats")
     steps = REQUEST_A + REQUEST_B + [(4, 4, 2, 3), (3, 2, 2, 3), (0, 0, 0, 1), (4, 4, 3, 2)]

@@ -2,7 +2,7 @@
 
 1. Every expression parses (Prometheus answers 400 to a parse error).
 2. The dashboards' pooled formulas, evaluated by Prometheus on what metrics.py exports after
-   record_spec_step, equal metric_math's numbers: the dashboard and the code do the same math.
+   record_spec_step, equal spec_totals' numbers: the dashboard and the code do the same math.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from splitflash.services.common import metrics as m
-from splitflash.services.common.metric_math import (
+from splitflash.services.common.spec_totals import (
     SpecTotals,
     acceptance_rate,
     mean_commit_len,
@@ -162,7 +162,7 @@ def panel_expr(title: str) -> str:
 
 def lifetime(expr: str) -> str:
     """rate(x[$__rate_interval]) / increase(x[$__range]) -> x: the same formula over the
-    counters' whole life, which is what metric_math pools (ratios of rates over one window
+    counters' whole life, which is what spec_totals pools (ratios of rates over one window
     equal ratios of increases, so the structure under test is unchanged)."""
     return re.sub(r"\b(?:rate|increase)\(([^()\[]+)\[\$__\w+\]\)", r"\1", expr)
 
@@ -176,7 +176,7 @@ def values(prom: str, expr: str, label: str | None = None) -> dict[str | None, f
     }
 
 
-def test_dashboard_formulas_equal_metric_math(prom: str) -> None:
+def test_dashboard_formulas_equal_the_pooled_math(prom: str) -> None:
     t, by_bucket = SpecTotals(), {}
     for k, depth, a, c, bucket in STEPS:
         t = t.add(k, depth, a, c)

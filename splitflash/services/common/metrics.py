@@ -100,7 +100,7 @@ def record_spec_step(
     commit_len: int,
     broken: Sequence[str] = (),
 ) -> None:
-    """Count one request's verify step (the arguments of metric_math.SpecTotals.add).
+    """Count one request's verify step (the arguments of spec_totals.SpecTotals.add).
 
     bucket = context_bucket(request's context); max_depth = deepest drafted node (chain: K);
     broken = the invariant names the step's check returned.

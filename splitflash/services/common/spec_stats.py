@@ -1,6 +1,6 @@
 """Pooled speculative-decoding statistics of one request or one run (DESIGN.md §4).
 
-A mutable accumulator over `metric_math.SpecTotals`, so responses, the CLI and the
+A mutable accumulator over `spec_totals.SpecTotals`, so responses, the CLI and the
 dashboards share one implementation of the pooled math (sums, never averages of averages).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitflash.services.common.metric_math import (
+from splitflash.services.common.spec_totals import (
     SpecTotals,
     acceptance_rate,
     mean_commit_len,
