@@ -59,8 +59,9 @@ def _inputs(batch, kv_len, q_len, shape, dtype, cuda, layout="head"):
             torch.tensor(chain * batch, dtype=torch.int64))  # fmt: skip
 
 
-def plan_rows(point, configs, waves, shape, device, with_auto):
-    """Rows to time at one point: one per (config, distinct split count); 'auto' last."""
+def plan_rows(point, configs, waves, shape, device, with_auto, q1_waves=False):
+    """Rows to time at one point: one per (config, distinct split count); 'auto' last.
+    q_len 1 keeps the legacy split rule unless q1_waves (--waves given)."""
     from splitflash.kernels.tuning import plan_launch
 
     batch, kv_len, q_len = point
@@ -68,7 +69,7 @@ def plan_rows(point, configs, waves, shape, device, with_auto):
     args = (device, q_len * group, q_len, batch, shape["kv_heads"], kv_len)
     seen = {}
     for cfg in configs:
-        for w in waves if q_len > 1 else (None,):
+        for w in waves if q_len > 1 or q1_waves else (None,):
             lp = plan_launch(*args, config=cfg, waves=w)
             n = lp.splits.num_splits
             seen.setdefault((cfg, n), dict(config=list(cfg), waves=[], splits=n,
@@ -209,14 +210,15 @@ def run(args) -> dict:
         configs, waves, rep, points, control = [(32, 8, 1)], (1, 2), 1, SMOKE_POINTS, (1, 200, 1)
     else:
         configs = args.configs or (QUICK if args.quick else CANDIDATES)
-        waves = QUICK_WAVES if args.quick else WAVES
+        waves = args.waves or (QUICK_WAVES if args.quick else WAVES)
         points, control = QUICK_POINTS if args.quick else POINTS, CONTROL
         points = args.points or points
         rep = args.rep or (10.0 if args.quick else 15.0)
     deadline = args.time_limit - 3.0  # leave time for the summary and the JSON
     auto = not args.quick  # autotuning a point costs ~1 s plus compiles: not in --quick
     point_rows = [(control, plan_rows(control, [CONTROL_CONFIG], waves, shape, device, auto))]
-    point_rows += [(p, plan_rows(p, configs, waves, shape, device, auto)) for p in points]
+    point_rows += [(p, plan_rows(p, configs, waves, shape, device, auto, bool(args.waves)))
+                   for p in points]  # fmt: skip
     notes, n_rows = [], sum(len(r) for _, r in point_rows)
     if cuda and args.workers > 0:
         jobs = compile_jobs(point_rows, shape, device)
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         help="B:KV:Q points instead of the default set",
         type=lambda t: tuple(int(x) for x in t.split(":")),
     )
+    ap.add_argument("--waves", type=float, nargs="+",
+                    help="programs per SM to try (q_len 1 too) instead of 1 2 4 8")  # fmt: skip
     ap.add_argument(
         "--configs",
         nargs="+",
