@@ -14,6 +14,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from splitflash.kernels.fused_dispatch import rope_kv_write
 from splitflash.kernels.paged_attention_ref import RopeWrite
@@ -71,9 +72,10 @@ def causal_attention_torch(
 ) -> torch.Tensor:
     """Causal attention for long blocks (prefill). q [N, H, D] -> [N, H, D].
 
-    A block longer than 64 only comes from prefill; when it has no prefix (the usual case)
-    the causal mask is implicit. With a prefix (a prompt continued in chunks) the mask is
-    [q_len, kv_len], paid once per chunk, never per decode step.
+    A block longer than 64 only comes from prefill: the whole prompt (no prefix: the causal
+    mask is implicit) or one chunk of it after the chunks before (TargetEngine.prefill): then
+    query i sits at position kv_len - q_len + i, the bottom-right aligned causal mask, which
+    SDPA's memory-efficient kernel applies without materialising [q_len, kv_len].
     """
     out = torch.empty_like(q)
     group = q.shape[1] // k_pages.shape[2]
@@ -91,8 +93,7 @@ def causal_attention_torch(
         if kv_len == q_len:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale)
         else:
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
-            mask[:, kv_len - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+            mask = causal_lower_right(q_len, kv_len)
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
         out[lo : lo + q_len] = o[0].transpose(0, 1)
     return out

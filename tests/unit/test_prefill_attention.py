@@ -50,9 +50,11 @@ def test_prefill_attention_matches_fp64(q_len, kv_len):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_prefill_attention_memory_is_linear_in_the_prompt():
-    t = 32768  # the math kernel's scores alone: 9 heads x t^2 x 2 bytes = 19 GB
-    q, k, v, meta = _case(t, t, heads=9, kv_heads=3, dim=64, page=16, device="cuda")
+@pytest.mark.parametrize("t,kv", [(32768, 32768), (8192, 40960)], ids=["prompt", "chunk"])
+def test_prefill_attention_memory_is_linear_in_the_prompt(t, kv):
+    # The math kernel's scores alone: 9 heads x t x kv x 2 bytes = 19 GB / 6 GB. "chunk": a
+    # prompt's last chunk after the cached ones (bottom-right causal, TargetEngine.prefill).
+    q, k, v, meta = _case(t, kv, heads=9, kv_heads=3, dim=64, page=16, device="cuda")
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -61,6 +63,6 @@ def test_prefill_attention_memory_is_linear_in_the_prompt():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 1 << 30, f"prefill attention of {t} tokens took {extra / 2**30:.1f} GiB extra"
-    # The last 64 queries (positions t-64 .. t-1) against the fp64 reference, on the host.
-    want = _reference(q[-64:].cpu(), k.cpu(), v.cpu(), meta.page_table.cpu(), t)
+    # The last 64 queries (positions kv-64 .. kv-1) against the fp64 reference, on the host.
+    want = _reference(q[-64:].cpu(), k.cpu(), v.cpu(), meta.page_table.cpu(), kv)
     assert (out[-64:].cpu().double() - want).abs().max() < 2e-2

@@ -20,6 +20,9 @@ class VerifySettings:
     page_size: int = 16
     max_batch: int = 64  # most items in one Prefill/Verify; larger batches are refused
     max_context: int = 0  # 0 = the model's max_position_embeddings
+    # Prompt tokens per prefill forward: longer prompts run in chunks, each attending to the
+    # cached ones, so a prefill's activation memory is bounded by a chunk (engine.py).
+    prefill_chunk: int = 8192
     # CUDA only: verify/decode steps replay CUDA graphs captured at batch sizes 1, 2, 4, ...
     # up to graph_max_batch (padded up to the next one; blocks padded to one length where the
     # KV pool has room); bigger steps, and mixed lengths without that room, run eagerly.
@@ -73,6 +76,7 @@ class VerifySettings:
             "graph_max_batch",
             "graph_max_held",
             "tp_size",
+            "prefill_chunk",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

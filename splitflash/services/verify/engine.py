@@ -25,6 +25,12 @@ from splitflash.services.verify.acceptance import (
 )
 from splitflash.services.verify.sampling import Sampling, make_generator, target_probs
 
+# Prompt tokens per prefill forward (VerifySettings.prefill_chunk): a forward's activations
+# grow with its tokens (the MLP's [T, 2 * intermediate]: 2.3 GB at 185k tokens for the 135M
+# default, 10.6 GB for an 8B's 14336), and a chunk's attention reads the cached chunks before
+# it, so peak memory stays that of a chunk whatever the prompt's length.
+PREFILL_CHUNK = 8192
+
 
 class DesyncError(RuntimeError):
     """The caller's committed length disagrees with the target's KV: never guessed around."""
@@ -67,7 +73,11 @@ class TargetEngine:
         feature_layer_ids: tuple[int, ...] = (),
         max_context: int | None = None,
         graphs: VerifyGraphs | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.model = model
         self.graphs = graphs  # CUDA graphs for uniform verify steps; None = always eager
         self.last_forward_mode: str | None = None  # "graph" | "eager" of the last verify
@@ -138,22 +148,37 @@ class TargetEngine:
         self.cache.add(request_id)
         try:
             self.cache.reserve(request_id, len(prompt))
-        except Exception:
+            logits, features = self._prompt_forward(request_id, prompt)
+        except Exception:  # pool full, a forward out of memory: the request leaves nothing
             self.cache.free(request_id)
             raise
-        batch = self._batch([(request_id, prompt, 0)])
-        rows = torch.tensor([len(prompt) - 1], device=self.device)
-        out = self.model(batch, self.cache, rows, self.feature_layer_ids)
-        self.cache.seq(request_id).length = len(prompt)
         seq = Sequence(
             request_id, list(prompt), sampling, make_generator(sampling.seed), frozenset(stop_ids)
         )
         self.seqs[request_id] = seq
-        token = self._next_token(seq, out.logits[0])
+        token = self._next_token(seq, logits)
         seq.tokens.append(token)
         finished = token in seq.stop_ids or max_commit <= 1
         outcome = StepOutcome([token], 0, 0, 0, [])
-        return StepReport(request_id, outcome, len(seq.tokens), [], out.hidden, 0, finished)
+        return StepReport(request_id, outcome, len(seq.tokens), [], features, 0, finished)
+
+    def _prompt_forward(
+        self, request_id: str, prompt: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt into the KV cache in chunks of <= prefill_chunk tokens, each attending
+        to the cached ones before it: (the last position's logits [V], the feature rows
+        [len(prompt), F] or None)."""
+        hidden = []
+        for lo in range(0, len(prompt), self.prefill_chunk):
+            part = prompt[lo : lo + self.prefill_chunk]
+            rows = torch.tensor([len(part) - 1], device=self.device)
+            out = self.model(self._batch([(request_id, part, lo)]), self.cache, rows,
+                             self.feature_layer_ids)  # fmt: skip
+            self.cache.seq(request_id).length = lo + len(part)
+            if out.hidden is not None:
+                hidden.append(out.hidden)
+        features = (hidden[0] if len(hidden) == 1 else torch.cat(hidden)) if hidden else None
+        return out.logits[0], features
 
     # --- verify ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -57,7 +57,8 @@ def load_engine(settings: VerifySettings) -> TargetEngine:
         "verify steps: %s",
         f"CUDA graphs at batch sizes {settings.graph_batch_sizes}" if graphs else "eager",
     )
-    engine = TargetEngine(model, cache, max_context=settings.max_context or None, graphs=graphs)
+    engine = TargetEngine(model, cache, max_context=settings.max_context or None, graphs=graphs,
+                          prefill_chunk=settings.prefill_chunk)  # fmt: skip
     if settings.warmup and torch.device(settings.device).type == "cuda":
         log.info("warming up the verify kernels (settings.warmup) ...")
         log.info("verify warm-up done in %.1f s", warm_up(engine))

@@ -260,8 +260,10 @@ class RankZeroModel(BroadcastForward):
 class TPTargetEngine(TargetEngine):
     """TargetEngine on rank 0 of a tensor-parallel group; close() ends the other ranks."""
 
-    def __init__(self, model: RankZeroModel, cache: PagedKVCache, max_context: int | None):
-        super().__init__(model, cache, max_context=max_context, graphs=None)
+    def __init__(self, model: RankZeroModel, cache: PagedKVCache, max_context: int | None,
+                 prefill_chunk: int) -> None:  # fmt: skip
+        super().__init__(model, cache, max_context=max_context, graphs=None,
+                         prefill_chunk=prefill_chunk)  # fmt: skip
         self.followers = model.followers
 
     def close(self) -> None:
@@ -295,4 +297,5 @@ def load_tp_engine(settings: VerifySettings, path: Path) -> TPTargetEngine:
     where = f"cuda:0..{world - 1}" if backend == "nccl" else "cpu"
     why = "CUDA graphs off: a host broadcast cannot be captured"
     log.info("tensor parallel: %d ranks on %s over %s; %s", world, where, backend, why)
-    return TPTargetEngine(RankZeroModel(model, followers), cache, settings.max_context or None)
+    return TPTargetEngine(RankZeroModel(model, followers), cache, settings.max_context or None,
+                          settings.prefill_chunk)  # fmt: skip
