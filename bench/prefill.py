@@ -1,0 +1,91 @@
+"""Prefill of one long prompt, whole or in chunks (VerifySettings.prefill_chunk): seconds
+and the GPU memory it took beyond the engine's own (peak allocated minus before), side by
+side in one process. The engine is built as the verify service builds it (`load_engine`),
+with the drafter's feature layers on, as a DFlash deployment runs it; each chunk setting
+prefills once to warm up (kernels, autotuning), then --reps times.
+
+    python -m bench.prefill --device cuda --contexts 32768 185000 --chunks 0 8192 2048
+    python -m bench.prefill --device cpu --contexts 600 --chunks 0 128 --reps 1   # smoke
+
+A chunk of 0 is the whole prompt in one forward (the engine's behaviour before chunking).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool) -> dict:
+    import torch
+
+    from splitflash.services.verify.sampling import Sampling
+
+    engine.prefill_chunk = chunk or len(prompt)
+    seconds, peaks = [], []
+    for i in range(reps + 1):  # the first one warms up
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        engine.prefill(f"p{i}", prompt, Sampling(), (), 2)
+        if cuda:
+            torch.cuda.synchronize()
+            peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
+        seconds.append(time.perf_counter() - t0)
+        engine.release(f"p{i}")
+    return dict(context=len(prompt), chunk=chunk, seconds=statistics.median(seconds[1:]),
+                peak_gib=max(peaks[1:]) if cuda else None)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    p = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 185_000])
+    p.add_argument("--chunks", type=int, nargs="+", default=[0, 8192, 2048])
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--json-out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if any(c < 0 for c in args.chunks) or args.reps < 1:
+        p.error("--chunks must be >= 0 (0: whole prompt) and --reps >= 1")
+
+    from bench.long_context import build_prompt
+    from splitflash.models import store
+    from splitflash.models.loading import load_tokenizer
+    from splitflash.services.draft.dflash_loading import default_drafter_path
+    from splitflash.services.verify.config import VerifySettings
+    from splitflash.services.verify.loader import load_engine
+
+    room = max(args.contexts) + 64
+    settings = VerifySettings(target=args.target, device=args.device, max_context=room,
+                              kv_pages=-(-room // 16) + 16, cuda_graphs=False)  # fmt: skip
+    engine = load_engine(settings)
+    config = json.loads((default_drafter_path(args.target) / "config.json").read_text())
+    engine.feature_layer_ids = tuple(config["dflash_config"]["target_layer_ids"])
+    tokenizer = load_tokenizer(store.resolve(args.target))
+    cuda = args.device.startswith("cuda")
+    rows = []
+    for ctx in args.contexts:
+        prompt = build_prompt(tokenizer, ctx)
+        for chunk in args.chunks:
+            row = measure(engine, prompt, chunk, args.reps, cuda)
+            rows.append(row)
+            peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
+            print(f"ctx {ctx:>7} chunk {chunk or 'whole':>6}: {row['seconds']:.3f} s{peak}",
+                  flush=True)  # fmt: skip
+    if args.json_out:
+        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", target=args.target)
+        args.json_out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
