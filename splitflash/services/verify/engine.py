@@ -26,9 +26,9 @@ from splitflash.services.verify.acceptance import (
 from splitflash.services.verify.sampling import Sampling, make_generator, target_probs
 
 # Prompt tokens per prefill forward (VerifySettings.prefill_chunk): a forward's activations
-# grow with its tokens (the MLP's [T, 2 * intermediate]: 2.3 GB at 185k tokens for the 135M
-# default, 10.6 GB for an 8B's 14336), and a chunk's attention reads the cached chunks before
-# it, so peak memory stays that of a chunk whatever the prompt's length.
+# grow with its tokens (the MLP's [T, 2 * intermediate] in bf16: 1.1 GB at 185k tokens for
+# the 135M default, 10.6 GB for an 8B's 14336), and a chunk's attention reads the cached
+# chunks before it, so peak memory stays that of a chunk whatever the prompt's length.
 PREFILL_CHUNK = 8192
 
 
