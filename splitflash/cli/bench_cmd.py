@@ -31,6 +31,7 @@ BENCHES = {
     "draft_attn_sweep": "bench.draft_attn_sweep",
     "first_step": "bench.first_step",
     "graph_memory": "bench.graph_memory",
+    "prefill": "bench.prefill",
 }
 
 
