@@ -3,7 +3,7 @@
 #   the draft call's host work before / after at an 8-token vocab (bench/draft_host.py);
 #   the attention of the default model's shape (H 9, H_KV 3, D 64) at 185k keys, batch 1,
 #   q 16 and 1, over the narrow-head configs and waves; batch 1 x 8k / 32k at q 1 (the
-#   issue's shape) over configs and waves; the verify step at 512 and 185k
+#   issue's shape) over configs at the default split rule; the verify step at 512 and 185k
 source bench/gpu_setup.sh
 
 for i in 1 2; do

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.long_context import build_prompt
     from splitflash.models import store
+    from splitflash.models.dflash.checkpoint import CONFIG_FILE
+    from splitflash.models.dflash.config import DFlashConfig
     from splitflash.models.loading import load_tokenizer
     from splitflash.services.draft.dflash_loading import default_drafter_path
     from splitflash.services.verify.config import VerifySettings
@@ -68,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = VerifySettings(target=args.target, device=args.device, max_context=room,
                               kv_pages=-(-room // 16) + 16, cuda_graphs=False)  # fmt: skip
     engine = load_engine(settings)
-    config = json.loads((default_drafter_path(args.target) / "config.json").read_text())
-    engine.feature_layer_ids = tuple(config["dflash_config"]["target_layer_ids"])
+    drafter_config = DFlashConfig.from_json(default_drafter_path(args.target) / CONFIG_FILE)
+    engine.feature_layer_ids = drafter_config.target_layer_ids
     tokenizer = load_tokenizer(store.resolve(args.target))
     cuda = args.device.startswith("cuda")
     rows = []
