@@ -187,6 +187,7 @@ SERVICES = [
     panel("Time to first token", "", *quantiles("splitflash_ttft_seconds"), unit="s"),
     panel("Inter-token latency", "", *quantiles("splitflash_inter_token_seconds"), unit="s"),
     panel("Queue depth", "", ("sum(splitflash_running_requests)", "running"),
+          ("sum(splitflash_prefilling_requests)", "prefilling"),
           ("sum(splitflash_waiting_requests)", "waiting")),
     panel("KV cache usage", "Pages in use / allocated, per verify instance.",
           ("sum by (instance) (splitflash_kv_pages_used) / "

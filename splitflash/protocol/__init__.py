@@ -51,7 +51,13 @@ from splitflash.protocol.messages import (
     VerifyItem,
     VerifyReply,
 )
-from splitflash.protocol.server import answer_hello, serve_forever, serve_one, version_error
+from splitflash.protocol.server import (
+    Deferred,
+    answer_hello,
+    serve_forever,
+    serve_one,
+    version_error,
+)
 from splitflash.protocol.sockets import (
     Incoming,
     MalformedFrame,
@@ -75,6 +81,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Codec",
+    "Deferred",
     "Draft",
     "DraftRequest",
     "DraftResponse",

@@ -2,6 +2,9 @@
 
 The loop itself answers `Heartbeat` (liveness must not depend on the engine) and refuses a
 `Hello` of another protocol version; everything else goes to the service's handler.
+A handler may answer with a `Deferred` (work too long for one turn: a long prefill): the
+loop then runs one `advance()` of it after each message it serves, or whenever none waits,
+round-robin over the deferred calls open, and sends the reply once advance() gives it.
 Failures are reported to `on_error(code)` so each service counts them in its own metrics:
 the `ErrorCode` of every Error reply the loop makes, plus "send_failed" (reply to a peer
 that is gone or not reading) and "unreadable" (frame without even an identity).
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -31,9 +35,30 @@ from splitflash.protocol.sockets import Frames, Incoming, MalformedFrame, parse,
 
 log = logging.getLogger(__name__)
 
-# handler(msg, tensor_frames) -> reply | (reply, reply_tensor_frames)
+# handler(msg, tensor_frames) -> reply | (reply, reply_tensor_frames) | Deferred
 Handler = Callable[[Any, list[zmq.Frame]], Any]
 OnError = Callable[[str], None]
+
+
+class Deferred:
+    """A reply made in slices, between other messages. `advance()` does one slice (keep it
+    to one bounded unit of work: every other peer waits for it) and returns the reply
+    (or (reply, frames)) once done, else None; raising gives the caller an Error reply."""
+
+    def advance(self) -> Any | None:
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """The loop stops before the reply: drop what the work holds (default: nothing)."""
+
+
+class _Open:
+    """A Deferred call and where its reply goes."""
+
+    __slots__ = ("peer", "call_id", "work", "name")
+
+    def __init__(self, peer: bytes, call_id: bytes, work: Deferred, name: str) -> None:
+        self.peer, self.call_id, self.work, self.name = peer, call_id, work, name
 
 
 class StopFlag(Protocol):
@@ -80,24 +105,32 @@ def _refuse_malformed(e: MalformedFrame, on_error: OnError) -> Error:
     return Error(code=ErrorCode.MALFORMED, message=str(e))
 
 
-def _run_handler(inc: Incoming, handler: Handler, on_error: OnError) -> tuple[Any, Frames]:
+def _run_handler(inc: Incoming, handler: Handler, on_error: OnError) -> Any:
     msg = inc.msg
     if isinstance(msg, Heartbeat):
         return HeartbeatReply(seq=msg.seq, sent_at=msg.sent_at, replied_at=time.time()), ()
     if isinstance(msg, Hello) and msg.protocol_version != PROTOCOL_VERSION:
         on_error(ErrorCode.PROTOCOL_VERSION)
         return version_error(msg.protocol_version), ()
-    request_id = getattr(msg, "request_id", None)
+    return _guarded(lambda: handler(msg, inc.frames), type(msg).__name__,
+                    getattr(msg, "request_id", None), on_error)  # fmt: skip
+
+
+def _guarded(work: Callable[[], Any], name: str, request_id: str | None, on_error: OnError):
+    """What work() returns, or the (Error, ()) its exception calls for."""
     try:
-        result = handler(msg, inc.frames)
+        return work()
     except ProtocolError as e:
         on_error(ErrorCode.BAD_REQUEST)
         return Error(code=ErrorCode.BAD_REQUEST, message=str(e), request_id=request_id), ()
     except Exception as e:
-        log.exception("handler failed on %s", type(msg).__name__)
+        log.exception("handler failed on %s", name)
         on_error(ErrorCode.INTERNAL)
-        message = f"{type(msg).__name__} failed: {type(e).__name__}: {e}"
+        message = f"{name} failed: {type(e).__name__}: {e}"
         return Error(code=ErrorCode.INTERNAL, message=message, request_id=request_id), ()
+
+
+def _with_frames(result: Any) -> tuple[Any, Frames]:
     return result if isinstance(result, tuple) else (result, ())
 
 
@@ -139,18 +172,49 @@ def serve_one(
     requests: Codec[Any],
     responses: Codec[Any],
     on_error: OnError,
-) -> None:
-    """Decode one received ROUTER message, run it and send the reply (or an Error)."""
+) -> _Open | None:
+    """Decode one received ROUTER message, run it and send the reply (or an Error); a
+    Deferred answer comes back to the caller (serve_forever) to advance."""
     try:
         inc = parse(frames, requests, router=True)
     except MalformedFrame as e:
         if e.peer is None:
             on_error("unreadable")
-            return
+            return None
         _send(sock, e.peer, e.call_id, _refuse_malformed(e, on_error), (), responses, on_error)
-        return
-    reply, reply_frames = _run_handler(inc, handler, on_error)
+        return None
+    result = _run_handler(inc, handler, on_error)
+    if isinstance(result, Deferred):
+        return _Open(inc.peer, inc.call_id, result, type(inc.msg).__name__)
+    reply, reply_frames = _with_frames(result)
     _send(sock, inc.peer, inc.call_id, reply, reply_frames, responses, on_error)
+    return None
+
+
+def _advance(sock: zmq.Socket, open_calls: deque[_Open], responses: Codec[Any],
+             on_error: OnError) -> None:  # fmt: skip
+    """One slice of the first open call; its reply once it has one, else it goes last."""
+    call = open_calls[0]
+    result = _guarded(call.work.advance, call.name, None, on_error)
+    if result is None:
+        open_calls.rotate(-1)
+        return
+    open_calls.popleft()
+    reply, reply_frames = _with_frames(result)
+    _send(sock, call.peer, call.call_id, reply, reply_frames, responses, on_error)
+
+
+def _abandon(sock: zmq.Socket, open_calls: deque[_Open], responses: Codec[Any],
+             on_error: OnError) -> None:  # fmt: skip
+    """Stopping: each open call's work dropped, its caller told rather than left to time out."""
+    while open_calls:
+        call = open_calls.popleft()
+        try:
+            call.work.abandon()
+        except Exception:  # stopping anyway: the other callers still get their answer
+            log.exception("abandoning %s failed", call.name)
+        stop = Error(code=ErrorCode.INTERNAL, message=f"service stopping: {call.name} not done")
+        _send(sock, call.peer, call.call_id, stop, (), responses, on_error)
 
 
 def serve_forever(
@@ -166,22 +230,35 @@ def serve_forever(
 ) -> None:
     """Serve a ROUTER socket until `stop_event` is set (checked every `poll_ms`).
 
-    `on_idle` runs after every `poll_ms` without a message: background work that must not
-    delay a message already waiting (keep each call short). Returns on stop or when the
-    context is terminated; the socket stays the caller's.
+    `on_idle` runs after every `poll_ms` without a message or open Deferred: background
+    work that must not delay a message already waiting (keep each call short). Deferred
+    calls advance one slice after each message served, so neither messages nor deferred
+    work can starve the other. Returns on stop or when the context is terminated; the
+    socket stays the caller's.
     """
     report: OnError = on_error or (lambda code: None)
+    open_calls: deque[_Open] = deque()
     while not stop_event.is_set():
         try:
-            if not sock.poll(poll_ms, zmq.POLLIN):
-                if on_idle is not None:
-                    on_idle()
-                continue
-            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            frames = None
+            if sock.poll(0 if open_calls else poll_ms, zmq.POLLIN):
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            continue
+            pass
         except zmq.ZMQError as e:
             if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
                 return
             raise
-        serve_one(sock, frames, handler, requests=requests, responses=responses, on_error=report)
+        if frames is not None:
+            opened = serve_one(
+                sock, frames, handler, requests=requests, responses=responses, on_error=report
+            )
+            if opened is not None:
+                open_calls.append(opened)
+        elif not open_calls:
+            if on_idle is not None:
+                on_idle()
+            continue
+        if open_calls:
+            _advance(sock, open_calls, responses, report)
+    _abandon(sock, open_calls, responses, report)

@@ -80,3 +80,38 @@ def test_a_chunk_below_one_token_is_refused():
     engine = _engine(tiny_model(), 1)
     with pytest.raises(ValueError, match="prefill_chunk must be >= 1, got 0"):
         TargetEngine(engine.model, engine.cache, prefill_chunk=0)
+
+
+def test_a_prompt_run_forwards_one_chunk_per_advance_and_ends_as_prefill_does():
+    model = tiny_model()
+    engine, whole = _engine(model, 64), _engine(model, 10_000)
+    forward, calls = engine.model.forward, []
+    engine.model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    run = engine.start_prefill("r", PROMPT, Sampling(), (), 100)
+    assert run.chunks_left == 3 and not calls  # reserved, nothing run yet
+    assert engine.cache.seq("r").length == 0 and "r" not in engine.seqs
+    assert run.advance() is None and len(calls) == 1 and run.cached == 64
+    assert run.advance() is None and len(calls) == 2 and run.cached == 128
+    report = run.advance()
+    assert len(calls) == 3 and run.chunks_left == 0
+    want = whole.prefill("r", PROMPT, Sampling(), (), 100)
+    assert report.outcome.committed == want.outcome.committed
+    torch.testing.assert_close(report.features, want.features, atol=2e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="already ended"):
+        run.advance()
+    assert _decode(engine, "r", 4) == _decode(whole, "r", 4)
+
+
+def test_an_aborted_prompt_run_frees_its_pages_and_its_id():
+    engine = _engine(tiny_model(), 64)
+    free = engine.cache.free_pages
+    run = engine.start_prefill("r", PROMPT, Sampling(), (), 100)
+    with pytest.raises(ValueError, match="already has KV"):  # one run per id at a time
+        engine.start_prefill("r", PROMPT, Sampling(), (), 100)
+    assert run.advance() is None
+    run.abort()
+    assert engine.cache.free_pages == free and "r" not in engine.cache.seqs
+    with pytest.raises(RuntimeError, match="already ended"):
+        run.advance()
+    report = engine.prefill("r", PROMPT, Sampling(), (), 100)
+    assert report.committed_len == len(PROMPT) + 1

@@ -135,6 +135,10 @@ METRICS = MappingProxyType(
             "c-token commit gives c-1 zero gaps and one step gap).", buckets=TOKEN_BUCKETS,
         ),
         "running_requests": _d("gauge", "Requests in the running batch."),
+        "prefilling_requests": _d(
+            "gauge", "Requests admitted whose prompt verify is still prefilling (between the "
+            "running batch's steps, a chunk at a time)."
+        ),
         "spec_gate_tokens_per_second": _d(
             "gauge", "The speculation gate's measure of one request's decode speed each way "
             "(mean tokens committed per request / median step seconds, recent steps), per "

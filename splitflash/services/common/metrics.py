@@ -126,6 +126,7 @@ class GatewayMetrics:
     ttft_seconds: Histogram
     inter_token_seconds: Histogram
     running_requests: Gauge
+    prefilling_requests: Gauge
     waiting_requests: Gauge
     spec_gate_tokens_per_second: Gauge  # {mode, context_bucket}
     generated_tokens: Counter

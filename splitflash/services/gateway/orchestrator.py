@@ -1,9 +1,12 @@
 """Continuous batching over N verify and M draft workers.
 
 One loop: admit waiting requests (pin each to a verify and a draft worker, placement.py;
-Open on the drafter, Prefill on verify), then one step for all running requests: ONE
-Propose per draft worker and ONE Verify per verify worker, all concurrently, then commit.
-Requests join and leave between steps. The drafter is optional at every step
+Open on the drafter, then a Prefill on verify in the background), then one step for all
+running requests: ONE Propose per draft worker and ONE Verify per verify worker, all
+concurrently, then commit. A request joins the running batch when its Prefill answers:
+meanwhile the steps go on, and verify runs the prompt a chunk at a time between them
+(verify/prefill_job.py), so a long prompt does not stall the other streams. Requests join
+and leave between steps. The drafter is optional at every step
 (drafting.py). A verify worker lost mid-request: its requests are retried, resumed or
 failed with 503 (recovery.py); no verify worker at all: new requests get 503.
 """
@@ -58,6 +61,8 @@ class Orchestrator:
         self.metrics = metrics
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
+        self.prefilling: list[Job] = []  # admitted, their Prefill not answered yet
+        self._prefills: set[asyncio.Task] = set()
         self.traces: dict[str, Job] = {}  # most recent requests, for /v1/requests/{id}/trace
         self.releases: dict[WorkerLink, set[str]] = {}  # to release once the worker answers
         self._wake = asyncio.Event()
@@ -89,16 +94,23 @@ class Orchestrator:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="orchestrator")
 
+    @property
+    def admitted(self) -> list[Job]:
+        """Every request pinned to workers: running, or waiting for its Prefill."""
+        return self.running + self.prefilling
+
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        for job in list(self.running) + list(self.waiting):
+        tasks = [t for t in (self._task, *self._prefills) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for job in self.admitted + list(self.waiting):
             fail(job, 503, "server shutting down", "shutdown")
 
     async def _run(self) -> None:
         while True:
-            if not self.running and not self.waiting:
+            full = len(self.admitted) >= self.settings.max_running
+            if not self.running and (not self.waiting or full):  # a Prefill reply wakes it
                 self._wake.clear()
                 await self._wake.wait()
             try:
@@ -115,10 +127,11 @@ class Orchestrator:
                     fail(job, 500, "internal error in the scheduler", "internal")
                 await self._reap()
             self.metrics.running_requests.set(len(self.running))
+            self.metrics.prefilling_requests.set(len(self.prefilling))
             self.metrics.waiting_requests.set(len(self.waiting))
 
     async def _admit(self) -> None:
-        room = self.settings.max_running - len(self.running)
+        room = self.settings.max_running - len(self.admitted)
         batch: list[Job] = []
         while self.waiting and len(batch) < room:
             job = self.waiting.popleft()
@@ -131,15 +144,35 @@ class Orchestrator:
             for job in batch:
                 fail(job, 503, "verify service unavailable", "verify_unavailable")
             return
-        place(batch, alive, self.running, "verify")
-        self.drafting.pin(batch, self.running)
+        place(batch, alive, self.admitted, "verify")
+        self.drafting.pin(batch, self.admitted)
         opening = [j for j in batch if j.draft is not None and j.draft.alive]
         await asyncio.gather(*(self.drafting.open(j) for j in opening))
-        self.running.extend(batch)
-        groups = group_by(batch, lambda j: j.verify)
-        await asyncio.gather(*(self._prefill_on(link, jobs) for link, jobs in groups.items()))
+        self.prefilling.extend(batch)
+        for link, jobs in group_by(batch, lambda j: j.verify).items():
+            task = asyncio.create_task(self._prefill_on(link, jobs), name="prefill")
+            self._prefills.add(task)
+            task.add_done_callback(self._prefills.discard)
 
     async def _prefill_on(self, link: WorkerLink, jobs: list[Job]) -> None:
+        """Prefill `jobs` on their verify worker; then they join the running batch (those
+        still wanted) and the loop wakes."""
+        try:
+            reply = await self._call_prefill(link, jobs)
+            for job in jobs:
+                self.prefilling.remove(job)
+                if not job.done:  # cancelled while prefilling: _reap released it already
+                    self.running.append(job)
+            self._prefilled(link, jobs, reply)
+        except Exception:  # a bug must not leave the requests hanging: fail them
+            log.exception("prefill on %s failed", link.addr)
+            for job in jobs:
+                fail(job, 500, "internal error in the scheduler", "internal")
+            self.prefilling = [j for j in self.prefilling if j not in jobs]
+        finally:
+            self._wake.set()
+
+    async def _call_prefill(self, link: WorkerLink, jobs: list[Job]) -> PrefillReply | Exception:
         deadline = time.time() + self.settings.verify_timeout_s
         items = []
         for j in jobs:
@@ -161,8 +194,13 @@ class Orchestrator:
             reply, _ = await link.call(
                 Prefill(items=items), timeout_s=self.settings.verify_timeout_s, expect=PrefillReply
             )
-        except Exception as exc:
-            self._worker_failed(link, jobs, exc)
+        except Exception as exc:  # noqa: BLE001 - handled per worker by the caller
+            return exc
+        return reply
+
+    def _prefilled(self, link: WorkerLink, jobs: list[Job], reply: PrefillReply | Exception):
+        if isinstance(reply, Exception):
+            self._worker_failed(link, [j for j in jobs if not j.done], reply)
             return
         for job, result in zip(jobs, reply.results, strict=True):
             if result.error:
@@ -187,7 +225,7 @@ class Orchestrator:
         bucket, gate = self.gates.for_context(longest) if self.gates else ("", None)
         speculate = gate is None or gate.speculate()
         drafts, fallback = await self.drafting.propose(
-            jobs, self.running, timer, paused=not speculate
+            jobs, self.admitted, timer, paused=not speculate
         )
         timer.mark("draft")
         groups = group_by(jobs, lambda j: j.verify)
@@ -291,6 +329,8 @@ class Orchestrator:
         one Release per worker; and what lost requests left on workers that are back."""
         gone = [j for j in self.running if j.done or j.cancelled]
         self.running = [j for j in self.running if not (j.done or j.cancelled)]
+        # A cancelled prompt still prefilling: the Release stops its remaining chunks.
+        gone += [j for j in self.prefilling if j.cancelled and not j.done]
         for job in gone:
             if not job.done:
                 finish(job, "abort")

@@ -123,7 +123,7 @@ class GatewayRuntime:
     def _service_status(self, pool: WorkerPool | None, role: str) -> dict | None:
         if pool is None or not pool.addrs:
             return None
-        running = self.orchestrator.running if self.orchestrator else []
+        running = self.orchestrator.admitted if self.orchestrator else []
         workers = [
             {
                 "addr": link.addr,

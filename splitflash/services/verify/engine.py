@@ -7,7 +7,7 @@ anchor of the next step (so kv_len == committed_len - 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,13 +17,14 @@ from splitflash.models.kv_cache import KVPoolFullError, PagedKVCache
 from splitflash.models.step_inputs import StepHost, upload
 from splitflash.models.target import ForwardBatch, TargetModel
 from splitflash.services.verify.acceptance import (
-    StepOutcome,
     accept_chain_sampled,
     accept_greedy_ids,
     check_invariants,
     truncate_outcome,
 )
-from splitflash.services.verify.sampling import Sampling, make_generator, target_probs
+from splitflash.services.verify.prompt_run import PromptRun
+from splitflash.services.verify.requests import Sequence, StepReport
+from splitflash.services.verify.sampling import Sampling, target_probs
 
 # Prompt tokens per prefill forward (VerifySettings.prefill_chunk): a forward's activations
 # grow with its tokens (the MLP's [T, 2 * intermediate] in bf16: 1.1 GB at 185k tokens for
@@ -34,27 +35,6 @@ PREFILL_CHUNK = 8192
 
 class DesyncError(RuntimeError):
     """The caller's committed length disagrees with the target's KV: never guessed around."""
-
-
-@dataclass
-class Sequence:
-    request_id: str
-    tokens: list[int]  # committed tokens: prompt + generated
-    sampling: Sampling
-    generator: torch.Generator
-    stop_ids: frozenset[int]
-
-
-@dataclass
-class StepReport:
-    request_id: str
-    outcome: StepOutcome | None
-    committed_len: int  # after the step
-    violations: list[str] = field(default_factory=list)
-    features: torch.Tensor | None = None  # [a+1 (or prompt len), F] of the kept positions
-    feature_start: int = 0  # position of the first feature row
-    finished: bool = False
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,51 +114,21 @@ class TargetEngine:
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     # --- prefill ---------------------------------------------------------------------
-    @torch.inference_mode()
+    def start_prefill(
+        self, request_id: str, prompt: list[int], sampling: Sampling, stop_ids, max_commit: int
+    ) -> PromptRun:
+        """The prompt's KV reserved, its forwards left to PromptRun.advance() (prompt_run.py):
+        one chunk of <= prefill_chunk tokens each. The prompt must fit the context."""
+        return PromptRun(self, request_id, prompt, sampling, stop_ids, max_commit)
+
     def prefill(
         self, request_id: str, prompt: list[int], sampling: Sampling, stop_ids, max_commit: int
     ) -> StepReport:
-        """Run the prompt, commit the first token. The prompt must fit the context."""
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if len(prompt) + 1 > self.max_context:
-            raise ValueError(f"prompt of {len(prompt)} tokens exceeds context {self.max_context}")
-        if request_id in self.seqs:
-            raise ValueError(f"request {request_id!r} already exists")
-        self.cache.add(request_id)
-        try:
-            self.cache.reserve(request_id, len(prompt))
-            logits, features = self._prompt_forward(request_id, prompt)
-        except Exception:  # pool full, a forward out of memory: the request leaves nothing
-            self.cache.free(request_id)
-            raise
-        seq = Sequence(
-            request_id, list(prompt), sampling, make_generator(sampling.seed), frozenset(stop_ids)
-        )
-        self.seqs[request_id] = seq
-        token = self._next_token(seq, logits)
-        seq.tokens.append(token)
-        finished = token in seq.stop_ids or max_commit <= 1
-        outcome = StepOutcome([token], 0, 0, 0, [])
-        return StepReport(request_id, outcome, len(seq.tokens), [], features, 0, finished)
-
-    def _prompt_forward(
-        self, request_id: str, prompt: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The prompt into the KV cache in chunks of <= prefill_chunk tokens, each attending
-        to the cached ones before it: (the last position's logits [V], the feature rows
-        [len(prompt), F] or None)."""
-        hidden = []
-        for lo in range(0, len(prompt), self.prefill_chunk):
-            part = prompt[lo : lo + self.prefill_chunk]
-            rows = torch.tensor([len(part) - 1], device=self.device)
-            out = self.model(self._batch([(request_id, part, lo)]), self.cache, rows,
-                             self.feature_layer_ids)  # fmt: skip
-            self.cache.seq(request_id).length = lo + len(part)
-            if out.hidden is not None:
-                hidden.append(out.hidden)
-        features = (hidden[0] if len(hidden) == 1 else torch.cat(hidden)) if hidden else None
-        return out.logits[0], features
+        """Run the prompt, every chunk, and commit the first token."""
+        run = self.start_prefill(request_id, prompt, sampling, stop_ids, max_commit)
+        while (report := run.advance()) is None:
+            pass
+        return report
 
     # --- verify ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -5,9 +5,10 @@ One thread owns the socket, the engine and the data-plane link. Per message:
   captures (refused while requests are open with other layers: their feature streams would
   change shape mid-way), and queues the warm-up of graphs for those layers, run one step at
   a time while no message waits (warmup.py). Other Hellos (health checks) change nothing.
-- Prefill: one engine.prefill per item; Verify: ONE batched engine.verify for the batch.
-  Per-item failures (deadline, desync, unknown request, prompt too long, KV pool full) are
-  `StepResult.error`; the other items and the loop go on.
+- Prefill: a PrefillJob (prefill_job.py), its items' prompts run one chunk per turn of the
+  loop, between the other messages, replied to when all are done; Verify: ONE batched
+  engine.verify for the batch. Per-item failures (deadline, desync, unknown request, prompt
+  too long, KV pool full) are `StepResult.error`; the other items and the loop go on.
 - After a step, each request opened with a `draft_peer` gets its kept feature rows sent to
   the draft service, and the ack awaited, BEFORE the reply is sent (see draft_link.py).
 """
@@ -30,8 +31,6 @@ from splitflash.protocol import (
     ErrorCode,
     Hello,
     Prefill,
-    PrefillItem,
-    PrefillReply,
     ProtocolError,
     Release,
     ReleaseReply,
@@ -46,7 +45,7 @@ from splitflash.services.verify.config import VerifySettings
 from splitflash.services.verify.draft_link import DraftLink, DraftLinks, host_copies
 from splitflash.services.verify.engine import DesyncError, StepReport, TargetEngine, VerifyInput
 from splitflash.services.verify.metrics_server import build_verify_metrics, start_metrics_http
-from splitflash.services.verify.sampling import Sampling
+from splitflash.services.verify.prefill_job import PrefillJob
 from splitflash.services.verify.steps import (
     bytes_read,
     committed_len,
@@ -57,6 +56,7 @@ from splitflash.services.verify.steps import (
 from splitflash.services.verify.warmup import IdleWarmUp
 
 log = logging.getLogger(__name__)
+STOP_LINGER_MS = 200
 
 
 class VerifyServer:
@@ -97,14 +97,15 @@ class VerifyServer:
             self._ctx.term()
             self._close_engine()
             raise
-        self._links = DraftLinks(
+        self.links = DraftLinks(
             self._ctx, settings, self.peer_id, link_curve, self.metrics.count_error
         )
-        self._feature_peers: dict[str, DraftLink] = {}  # request -> its data-plane link
+        self.feature_peers: dict[str, DraftLink] = {}  # request -> its data-plane link
+        self._prefills: list[PrefillJob] = []  # Prefill messages not answered yet (some done)
         self._idle_warmup: IdleWarmUp | None = None  # for feature layers a Hello asked for
         self._http = None
         self._weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        self._update_kv_gauges()
+        self.update_kv_gauges()
 
     # --- lifecycle ------------------------------------------------------------------
     def describe(self) -> dict[str, str]:
@@ -149,10 +150,11 @@ class VerifyServer:
         self.stopping.set()
 
     def close(self) -> None:
-        self._links.close()
+        self.links.close()
         if self._guard is not None:
             self._guard.stop(self._sock)
-        self._sock.close(linger=0)
+        # Replies made on the way out (an open Prefill told the service stops) get a moment.
+        self._sock.close(linger=STOP_LINGER_MS)
         self._ctx.term()
         if self._http is not None:
             self._http.shutdown()
@@ -172,9 +174,11 @@ class VerifyServer:
             match msg:
                 case Hello():
                     return self._hello(msg)
-                case Prefill():
+                case Prefill():  # served between other messages, a chunk at a time
                     self._check_batch(len(msg.items))
-                    return self._prefill(msg, t0)
+                    job = PrefillJob(self, msg, t0)
+                    self._prefills = [j for j in self._prefills if not j.done] + [job]
+                    return job
                 case Verify():
                     self._check_batch(len(msg.items))
                     return self._verify(msg, t0)
@@ -184,7 +188,7 @@ class VerifyServer:
                     raise ProtocolError(f"verify does not handle {type(msg).__name__}")
         finally:
             self.metrics.add_busy(time.perf_counter() - t0)
-            self._update_kv_gauges()
+            self.update_kv_gauges()
 
     def _check_batch(self, n: int) -> None:
         if n > (limit := self.settings.max_batch):
@@ -201,12 +205,13 @@ class VerifyServer:
                 message=f"wants_target_layers {list(layers)}: target has {n_layers}",
             )
         if layers != self.engine.feature_layer_ids:
-            if self.engine.seqs:
+            # cache.seqs: the open requests and the prompts being prefilled
+            if n_open := len(self.engine.cache.seqs):
                 return Error(
                     code=ErrorCode.BAD_REQUEST,
                     message=(
                         f"cannot switch feature layers {list(self.engine.feature_layer_ids)} -> "
-                        f"{list(layers)} with {len(self.engine.seqs)} requests open"
+                        f"{list(layers)} with {n_open} requests open"
                     ),
                 )
             log.info("capturing target layers %s for %s", list(layers), msg.peer_id)
@@ -227,40 +232,6 @@ class VerifyServer:
             warm.pending.clear()
         if warm.done:
             self._idle_warmup = None
-
-    # --- prefill --------------------------------------------------------------------
-    def _prefill(self, msg: Prefill, t0: float) -> PrefillReply:
-        """Each item alone (prompts differ in length); "forward" excludes feature sends."""
-        outcomes, forward = [], 0.0
-        for item in msg.items:
-            t = time.perf_counter()
-            outcomes.append(self._prefill_one(item))
-            forward += time.perf_counter() - t
-        self._send_features([x for x in outcomes if isinstance(x, StepReport)])
-        results = [self._result(x) if isinstance(x, StepReport) else x for x in outcomes]
-        self.metrics.verify_seconds.observe(forward)
-        total = time.perf_counter() - t0
-        return PrefillReply(results=results, timings={"forward": forward, "total": total})
-
-    def _prefill_one(self, item: PrefillItem) -> StepReport | StepResult:
-        rid = item.request_id
-        if time.time() > item.deadline:
-            return error_result(rid, 0, "deadline: passed before prefill")
-        link = None if item.draft_peer is None else self._links.resolve(item.draft_peer)
-        if isinstance(link, str):
-            return error_result(rid, 0, link)
-        s = item.sampling
-        sampling = Sampling(s.temperature, s.top_p, s.top_k, s.seed)
-        room = self.engine.max_context - len(item.prompt_ids)
-        try:
-            prompt = list(item.prompt_ids)
-            report = self.engine.prefill(rid, prompt, sampling, self.stop_ids, max(room, 1))
-        except Exception as e:  # too long, pool full, duplicate id: this item fails only
-            log.warning("prefill of %s failed: %s", rid, e)
-            return error_result(rid, 0, f"{type(e).__name__}: {e}")
-        if link is not None:
-            self._feature_peers[rid] = link
-        return report
 
     # --- verify ---------------------------------------------------------------------
     def _verify(self, msg: Verify, t0: float) -> VerifyReply:
@@ -284,9 +255,9 @@ class VerifyServer:
         reports = self._run_verify([x for _, x in inputs]) if inputs else []
         forward = time.perf_counter() - t
         self.metrics.verify_seconds.observe(forward)
-        self._send_features(reports)
+        self.send_features(reports)
         for (i, _), report in zip(inputs, reports, strict=True):
-            results[i] = self._result(report)
+            results[i] = self.result(report)
         ordered = [results[i] for i in range(len(msg.items))]
         total = time.perf_counter() - t0
         return VerifyReply(results=ordered, timings={"forward": forward, "total": total})
@@ -304,13 +275,13 @@ class VerifyServer:
         self.metrics.add_kv_bytes(max(base_lens), kv_bytes)
         return reports
 
-    def _send_features(self, reports: list[StepReport]) -> None:
+    def send_features(self, reports: list[StepReport]) -> None:
         """Features of a step's reports to their drafters: one device->host copy for all of
         them, then one pipelined exchange per draft peer (DraftLink.send_many)."""
         sent = [
-            (self._feature_peers[r.request_id], r)
+            (self.feature_peers[r.request_id], r)
             for r in reports
-            if r.error is None and r.features is not None and r.request_id in self._feature_peers
+            if r.error is None and r.features is not None and r.request_id in self.feature_peers
         ]
         if not sent:
             return
@@ -323,17 +294,20 @@ class VerifyServer:
 
     # --- release --------------------------------------------------------------------
     def _release(self, msg: Release) -> ReleaseReply:
-        released = [rid for rid in msg.request_ids if self.engine.release(rid)]
+        # A prompt still prefilling stops first: its chunks must not write to freed pages.
+        open_jobs = [j for j in self._prefills if not j.done]
+        stopped = {rid for rid in msg.request_ids if any([j.cancel(rid) for j in open_jobs])}
+        released = [rid for rid in msg.request_ids if self.engine.release(rid) or rid in stopped]
         for rid in msg.request_ids:
-            link = self._feature_peers.pop(rid, None)
+            link = self.feature_peers.pop(rid, None)
             if link is not None:
                 link.forget(rid)
         return ReleaseReply(released=released)
 
-    def _update_kv_gauges(self) -> None:
+    def update_kv_gauges(self) -> None:
         cache = self.engine.cache
         self.metrics.set_kv(cache.used_pages, cache.num_pages)
 
-    def _result(self, report: StepReport) -> StepResult:
+    def result(self, report: StepReport) -> StepResult:
         self.metrics.count_violations(report.violations)
         return step_result(self.engine, report, self.stop_ids)

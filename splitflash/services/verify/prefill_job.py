@@ -1,0 +1,153 @@
+"""A Prefill message served in slices: ONE prompt chunk's forward per `advance()`.
+
+The verify server answers a Prefill with a PrefillJob (a protocol Deferred): serve_forever
+runs the other messages that arrive meanwhile (the running requests' Verify steps, their
+Release, heartbeats) between its chunks, so admitting a 185k-token prompt delays every
+other request's step by one chunk's forward (VerifySettings.prefill_chunk tokens), not by
+the whole prefill. The reply (one StepResult per item, in order) goes once every item has
+its outcome; the items' feature rows go to their drafters first, as for a Verify step.
+
+An item's outcome is an error instead when: its deadline passes (before or between chunks),
+its draft peer cannot be reached, the engine refuses it (too long, pool full, duplicate id),
+a forward fails, or a Release names it first (`cancel`). Whatever way an item ends early,
+PromptRun frees its pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from splitflash.protocol import Deferred, Prefill, PrefillItem, PrefillReply, StepResult
+from splitflash.services.verify.engine import StepReport
+from splitflash.services.verify.prompt_run import PromptRun
+from splitflash.services.verify.sampling import Sampling
+from splitflash.services.verify.steps import error_result
+
+if TYPE_CHECKING:
+    from splitflash.services.verify.server import VerifyServer
+
+log = logging.getLogger(__name__)
+
+
+class PrefillJob(Deferred):
+    def __init__(self, server: VerifyServer, msg: Prefill, t0: float) -> None:
+        self.server = server
+        self.items = msg.items
+        self.t0 = t0  # the message's arrival: the reply's "total"
+        self.outcomes: list[StepReport | StepResult | None] = [None] * len(msg.items)
+        self.forward = 0.0  # seconds in this job's forwards (the reply's "forward")
+        self.done = False
+        self._next = 0  # index of the next item to start
+        self._run: tuple[int, PromptRun] | None = None  # the item whose chunks are running
+
+    # --- Deferred ----------------------------------------------------------------------
+    def advance(self) -> PrefillReply | None:
+        t = time.perf_counter()
+        try:
+            return self._advance()
+        finally:
+            self.server.metrics.add_busy(time.perf_counter() - t)
+            self.server.update_kv_gauges()
+
+    def abandon(self) -> None:
+        if self._run is not None:
+            self._run[1].abort()
+            self._run = None
+        self.done = True
+
+    # --- the work ----------------------------------------------------------------------
+    def _advance(self) -> PrefillReply | None:
+        """Start items until one needs a forward, run one chunk of it; the reply at the end."""
+        while self._run is None and self._next < len(self.items):
+            i, self._next = self._next, self._next + 1
+            if self.outcomes[i] is None:  # a Release may have ended it before its start
+                self._start(i)
+        if self._run is not None:
+            self._chunk()
+            if self._run is not None or self._next < len(self.items):
+                return None
+        return self._reply()
+
+    def _start(self, i: int) -> None:
+        item = self.items[i]
+        rid = item.request_id
+        if time.time() > item.deadline:
+            self.outcomes[i] = error_result(rid, 0, "deadline: passed before prefill")
+            return
+        link = None if item.draft_peer is None else self.server.links.resolve(item.draft_peer)
+        if isinstance(link, str):
+            self.outcomes[i] = error_result(rid, 0, link)
+            return
+        engine = self.server.engine
+        s = item.sampling
+        room = engine.max_context - len(item.prompt_ids)
+        try:
+            run = engine.start_prefill(rid, list(item.prompt_ids),
+                                       Sampling(s.temperature, s.top_p, s.top_k, s.seed),
+                                       self.server.stop_ids, max(room, 1))  # fmt: skip
+        except Exception as e:  # too long, pool full, duplicate id: this item fails only
+            self._failed(i, e)
+            return
+        if link is not None:
+            self.server.feature_peers[rid] = link
+        self._run = (i, run)
+
+    def _chunk(self) -> None:
+        i, run = self._run
+        item: PrefillItem = self.items[i]
+        if time.time() > item.deadline:
+            why = f"deadline: passed during prefill ({run.cached} of {len(run.prompt)} tokens)"
+            self._end(i, error_result(item.request_id, 0, why))
+            return
+        t = time.perf_counter()
+        try:
+            report = run.advance()
+        except Exception as e:  # a forward out of memory: its pages are already freed
+            self._end(i, None)
+            self._failed(i, e)
+            return
+        finally:
+            self.forward += time.perf_counter() - t
+        if report is not None:
+            self._run = None
+            self.outcomes[i] = report
+
+    def _failed(self, i: int, e: Exception) -> None:
+        rid = self.items[i].request_id
+        log.warning("prefill of %s failed: %s", rid, e)
+        self.outcomes[i] = error_result(rid, 0, f"{type(e).__name__}: {e}")
+        self.server.feature_peers.pop(rid, None)
+
+    def _end(self, i: int, outcome: StepResult | None) -> None:
+        """The running item stops here (its pages freed); `outcome` None: set by the caller."""
+        self._run[1].abort()
+        self._run = None
+        if outcome is not None:
+            self.outcomes[i] = outcome
+            self.server.feature_peers.pop(self.items[i].request_id, None)
+
+    def cancel(self, request_id: str) -> bool:
+        """A Release of one of this job's requests: True if it was not done yet (it ends now
+        with an error outcome, its pages freed); False if unknown here or already done."""
+        for i, item in enumerate(self.items):
+            if item.request_id != request_id or self.outcomes[i] is not None:
+                continue
+            why = "released before its prefill finished"
+            if self._run is not None and self._run[0] == i:
+                self._end(i, error_result(request_id, 0, why))
+            else:
+                self.outcomes[i] = error_result(request_id, 0, why)
+            return True
+        return False
+
+    def _reply(self) -> PrefillReply:
+        self.done = True
+        reports = [x for x in self.outcomes if isinstance(x, StepReport)]
+        self.server.send_features(reports)
+        results = [self.server.result(x) if isinstance(x, StepReport) else x
+                   for x in self.outcomes]  # fmt: skip
+        self.server.metrics.verify_seconds.observe(self.forward)
+        timings = {"forward": self.forward, "total": time.perf_counter() - self.t0}
+        return PrefillReply(results=results, timings=timings)

@@ -1,0 +1,106 @@
+"""One prompt's prefill, run a chunk at a time (TargetEngine.start_prefill).
+
+Each `advance()` runs ONE forward over <= prefill_chunk prompt tokens, attending to the
+chunks already cached, and returns the StepReport after the last one. The verify server
+serves other messages between chunks (other requests' verify steps, heartbeats, a Release
+of this very request), so a 185k-token prompt delays them by one chunk's forward instead of
+its whole prefill, as vLLM's chunked prefill does. The engine's own `prefill()` runs every
+chunk in one call (the one-process CLI, tests, benchmarks).
+
+Whatever way a run ends early (a forward that raises, `abort()`), it leaves no pages behind.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from splitflash.services.verify.acceptance import StepOutcome
+from splitflash.services.verify.requests import Sequence, StepReport
+from splitflash.services.verify.sampling import Sampling, make_generator
+
+if TYPE_CHECKING:
+    from splitflash.services.verify.engine import TargetEngine
+
+
+class PromptRun:
+    """Validates and reserves the prompt's KV at once; forwards in `advance()`."""
+
+    def __init__(
+        self,
+        engine: TargetEngine,
+        request_id: str,
+        prompt: list[int],
+        sampling: Sampling,
+        stop_ids,
+        max_commit: int,
+    ) -> None:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if len(prompt) + 1 > engine.max_context:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds context {engine.max_context}")
+        if request_id in engine.seqs:
+            raise ValueError(f"request {request_id!r} already exists")
+        engine.cache.add(request_id)  # raises while another prefill of this id is running
+        try:
+            engine.cache.reserve(request_id, len(prompt))
+        except Exception:  # pool full: the request leaves nothing
+            engine.cache.free(request_id)
+            raise
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt = list(prompt)
+        self.sampling = sampling
+        self.stop_ids = frozenset(stop_ids)
+        self.max_commit = max_commit
+        self.cached = 0  # prompt tokens in the KV cache so far
+        self.ended = False  # finished, failed or aborted
+        self._hidden: list[torch.Tensor] = []  # feature rows of each chunk: [chunk, F]
+
+    @property
+    def chunks_left(self) -> int:
+        return -(-(len(self.prompt) - self.cached) // self.engine.prefill_chunk)
+
+    @torch.inference_mode()
+    def advance(self) -> StepReport | None:
+        """One chunk into the KV cache; after the last one, commit the first token."""
+        if self.ended:
+            raise RuntimeError(f"prefill of {self.request_id!r} already ended")
+        e, lo = self.engine, self.cached
+        part = self.prompt[lo : lo + e.prefill_chunk]
+        try:
+            rows = torch.tensor([len(part) - 1], device=e.device)
+            out = e.model(e._batch([(self.request_id, part, lo)]), e.cache, rows,
+                          e.feature_layer_ids)  # fmt: skip
+        except Exception:  # out of memory, a lost TP rank: this request leaves nothing
+            self.abort()
+            raise
+        self.cached = lo + len(part)
+        e.cache.seq(self.request_id).length = self.cached
+        if out.hidden is not None:
+            self._hidden.append(out.hidden)
+        if self.cached < len(self.prompt):
+            return None
+        return self._commit_first(out.logits[0])
+
+    def _commit_first(self, logits: torch.Tensor) -> StepReport:
+        self.ended = True
+        hidden = self._hidden
+        features = (hidden[0] if len(hidden) == 1 else torch.cat(hidden)) if hidden else None
+        self._hidden = []
+        seq = Sequence(self.request_id, list(self.prompt), self.sampling,
+                       make_generator(self.sampling.seed), self.stop_ids)  # fmt: skip
+        self.engine.seqs[self.request_id] = seq
+        token = self.engine._next_token(seq, logits)
+        seq.tokens.append(token)
+        finished = token in seq.stop_ids or self.max_commit <= 1
+        outcome = StepOutcome([token], 0, 0, 0, [])
+        return StepReport(self.request_id, outcome, len(seq.tokens), [], features, 0, finished)
+
+    def abort(self) -> None:
+        """Stop before the last chunk and free what was reserved (a no-op once ended)."""
+        if not self.ended:
+            self.ended = True
+            self._hidden = []
+            self.engine.cache.free(self.request_id)

@@ -1,0 +1,157 @@
+"""serve_forever's Deferred replies: work done in slices between other messages.
+
+A handler that answers with a Deferred must not hold the loop: other peers' messages are
+answered while it is open, it advances between them, several open calls share the slices,
+and whatever way it ends (reply, exception, the loop stopping) its caller gets an answer
+matched to its call id.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from splitflash.protocol import (
+    DRAFT_REQUESTS,
+    DRAFT_RESPONSES,
+    Deferred,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    HeartbeatReply,
+    Release,
+    ReleaseReply,
+    bind,
+    dealer_send,
+    make_socket,
+    recv,
+    serve_forever,
+)
+from tests.unit.test_protocol_support import Server, T, start_server, tracking_context
+
+pytestmark = pytest.mark.timeout(60)
+MS = int(T * 1000)
+
+
+class Slices(Deferred):
+    """Done after `needs` slices, or once `gate` is set when `needs` is None."""
+
+    def __init__(self, name: str, needs: int | None, gate: threading.Event) -> None:
+        self.name, self.needs, self.gate = name, needs, gate
+        self.slices = 0
+        self.abandoned = False
+
+    def advance(self) -> Any | None:
+        self.slices += 1
+        if self.name == "boom" and self.slices == 2:
+            raise RuntimeError("slice 2 exploded")
+        done = self.gate.is_set() if self.needs is None else self.slices >= self.needs
+        return ReleaseReply(released=[self.name]) if done else None
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+
+class SlicedHandler:
+    """Release(["name:n"]) opens a Deferred of n slices ("name:gate": until the gate)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.opened: dict[str, Slices] = {}
+
+    def __call__(self, msg: Any, frames: list[zmq.Frame]) -> Any:
+        assert isinstance(msg, Release)
+        name, _, needs = msg.request_ids[0].partition(":")
+        if not needs:
+            return ReleaseReply(released=[name])  # answered at once
+        work = Slices(name, None if needs == "gate" else int(needs), self.gate)
+        self.opened[name] = work
+        return work
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    yield from tracking_context()
+
+
+@pytest.fixture
+def handler() -> SlicedHandler:
+    return SlicedHandler()
+
+
+@pytest.fixture
+def server(ctx: zmq.Context, handler: SlicedHandler) -> Iterator[Server]:
+    yield from start_server(ctx, handler)
+
+
+def _send(sock: zmq.Socket, call: int, msg: Any) -> None:
+    dealer_send(sock, call.to_bytes(8, "big"), msg, DRAFT_REQUESTS, timeout_ms=MS)
+
+
+def _reply(sock: zmq.Socket) -> tuple[int, Any]:
+    inc = recv(sock, DRAFT_RESPONSES, router=False, timeout_ms=MS)
+    return int.from_bytes(inc.call_id, "big"), inc.msg
+
+
+def test_other_peers_are_answered_while_a_deferred_call_is_open(server, handler):
+    slow, other = server.dealer(), server.dealer()
+    _send(slow, 1, Release(request_ids=["long:gate"]))
+    _send(other, 7, Release(request_ids=["quick"]))
+    assert _reply(other) == (7, ReleaseReply(released=["quick"]))
+    _send(other, 8, Heartbeat(seq=3, sent_at=1.0))
+    call, beat = _reply(other)
+    assert call == 8 and isinstance(beat, HeartbeatReply) and beat.seq == 3
+    assert not slow.poll(100, zmq.POLLIN), "the open call was answered before its work ended"
+    assert handler.opened["long"].slices >= 2  # it advanced between those messages
+    handler.gate.set()
+    assert _reply(slow) == (1, ReleaseReply(released=["long"]))
+
+
+def test_open_calls_share_the_slices(server, handler):
+    peer = server.dealer()
+    _send(peer, 1, Release(request_ids=["long:gate"]))
+    _send(peer, 2, Release(request_ids=["short:3"]))
+    # the short call ends first although the long one opened first and never ends alone
+    assert _reply(peer) == (2, ReleaseReply(released=["short"]))
+    handler.gate.set()
+    assert _reply(peer) == (1, ReleaseReply(released=["long"]))
+    assert handler.opened["short"].slices == 3
+
+
+def test_a_slice_that_raises_answers_its_caller_and_the_loop_goes_on(server, handler):
+    peer = server.dealer()
+    _send(peer, 5, Release(request_ids=["boom:9"]))
+    call, error = _reply(peer)
+    assert call == 5 and isinstance(error, Error) and error.code == ErrorCode.INTERNAL
+    assert "RuntimeError: slice 2 exploded" in error.message
+    assert server.errors[ErrorCode.INTERNAL] == 1
+    _send(peer, 6, Release(request_ids=["after"]))
+    assert _reply(peer) == (6, ReleaseReply(released=["after"]))
+
+
+def test_stopping_abandons_open_calls_and_tells_their_callers(ctx, handler):
+    # Its own loop: the socket is closed with a linger, as the verify server closes its own,
+    # so the replies made on the way out are delivered.
+    router = make_socket(ctx, "router", linger_ms=0)
+    server = Server(ctx, bind(router, "tcp://127.0.0.1:*"))
+    stop = threading.Event()
+    loop = threading.Thread(target=serve_forever, args=(router, handler, stop), daemon=True,
+                            kwargs=dict(requests=DRAFT_REQUESTS, responses=DRAFT_RESPONSES,
+                                        on_error=server.count_error, poll_ms=20))  # fmt: skip
+    loop.start()
+    peer = server.dealer()
+    _send(peer, 4, Release(request_ids=["long:gate"]))
+    _send(peer, 5, Release(request_ids=["quick"]))
+    assert _reply(peer) == (5, ReleaseReply(released=["quick"]))  # the long one is open
+    stop.set()
+    loop.join(timeout=T)
+    assert not loop.is_alive()
+    router.close(linger=int(T * 1000))
+    call, error = _reply(peer)
+    assert call == 4 and isinstance(error, Error) and error.code == ErrorCode.INTERNAL
+    assert error.message == "service stopping: Release not done"
+    assert handler.opened["long"].abandoned
