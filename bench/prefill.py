@@ -1,8 +1,11 @@
-"""Prefill of one long prompt, whole or in chunks (VerifySettings.prefill_chunk): seconds
-and the GPU memory it took beyond the engine's own (peak allocated minus before), side by
-side in one process. The engine is built as the verify service builds it (`load_engine`),
-with the drafter's feature layers on, as a DFlash deployment runs it; each chunk setting
-prefills once to warm up (kernels, autotuning), then --reps times.
+"""Prefill of one long prompt, whole or in chunks (VerifySettings.prefill_chunk): seconds,
+the slowest chunk's seconds (the verify server runs other requests' steps between chunks,
+so that is the most a running stream's step waits behind this prompt) and the GPU memory it
+took beyond the engine's own (peak allocated minus before), side by side in one process.
+Chunks are timed one by one (a device sync after each, as the server's next step makes).
+The engine is built as the verify service builds it (`load_engine`), with the drafter's
+feature layers on, as a DFlash deployment runs it; each chunk setting prefills once to warm
+up (kernels, autotuning), then --reps times.
 
     python -m bench.prefill --device cuda --contexts 32768 185000 --chunks 0 8192 2048
     python -m bench.prefill --device cpu --contexts 600 --chunks 0 128 --reps 1   # smoke
@@ -26,20 +29,27 @@ def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool) -> dic
     from splitflash.services.verify.sampling import Sampling
 
     engine.prefill_chunk = chunk or len(prompt)
-    seconds, peaks = [], []
+    seconds, slowest, peaks = [], [], []
     for i in range(reps + 1):  # the first one warms up
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        engine.prefill(f"p{i}", prompt, Sampling(), (), 2)
+        run = engine.start_prefill(f"p{i}", prompt, Sampling(), (), 2)
+        chunk_s, report = [], None
+        while report is None:
+            t0 = time.perf_counter()
+            report = run.advance()
+            if cuda:
+                torch.cuda.synchronize()
+            chunk_s.append(time.perf_counter() - t0)
         if cuda:
-            torch.cuda.synchronize()
             peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
-        seconds.append(time.perf_counter() - t0)
+        seconds.append(sum(chunk_s))
+        slowest.append(max(chunk_s))
         engine.release(f"p{i}")
     return dict(context=len(prompt), chunk=chunk, seconds=statistics.median(seconds[1:]),
+                slowest_chunk_s=statistics.median(slowest[1:]),
                 peak_gib=max(peaks[1:]) if cuda else None)  # fmt: skip
 
 
@@ -81,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(engine, prompt, chunk, args.reps, cuda)
             rows.append(row)
             peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
-            print(f"ctx {ctx:>7} chunk {chunk or 'whole':>6}: {row['seconds']:.3f} s{peak}",
-                  flush=True)  # fmt: skip
+            print(f"ctx {ctx:>7} chunk {chunk or 'whole':>6}: {row['seconds']:.3f} s, slowest "
+                  f"chunk {row['slowest_chunk_s']:.3f} s{peak}", flush=True)  # fmt: skip
     if args.json_out:
         meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", target=args.target)
         args.json_out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -137,8 +137,9 @@ class WorkerLink:
             await self.greet(timeout)
             return
         if self.client.in_flight:
-            # A worker serves one message at a time: a heartbeat queued behind a long step
-            # would time out on a healthy worker. The call in flight has its own deadline.
+            # A worker serves one message at a time (a long prompt's chunks between them): a
+            # heartbeat queued behind a long step or chunk would time out on a healthy
+            # worker. The call in flight has its own deadline.
             return
         try:
             await self.client.call(
