@@ -214,3 +214,39 @@ def test_the_gateway_keeps_streaming_while_a_long_prompt_prefills():
     assert meanwhile >= 10, meanwhile
     assert stream_ids == target_only(SHORT, 60)
     assert late_ids == target_only(LONG, 4)
+
+
+def test_a_request_cancelled_while_prefilling_stops_its_prefill_and_frees_its_pages():
+    with running(verify_server(chunk=1)) as v:
+        forward, chunks = v.engine.model.forward, []
+
+        def counted(*args, **kwargs):
+            chunks.append(1)
+            return forward(*args, **kwargs)
+
+        v.engine.model.forward = counted
+        settings = GatewaySettings(verify_addr=v.endpoint, draft_addr="")
+
+        async def go():
+            runtime = GatewayRuntime(settings, tokenizer=None)
+            await runtime.start()
+            try:
+                job = _job("gone", LONG, 4)
+                runtime.orchestrator.submit(job)
+                while len(chunks) < 5:  # verify is part way through the prompt
+                    await asyncio.sleep(0.002)
+                runtime.orchestrator.cancel(job)  # the client went away
+                event = await asyncio.wait_for(job.events.get(), timeout=CALL_S)
+                for _ in range(500):  # bounded: the Release and the Prefill's answer
+                    if "gone" not in v.engine.cache.seqs and not runtime.orchestrator.prefilling:
+                        break
+                    await asyncio.sleep(0.01)
+                return event, len(runtime.orchestrator.prefilling)
+            finally:
+                await runtime.stop()
+
+        event, prefilling = asyncio.run(go())
+        assert event == Finished("abort")
+        assert v.engine.cache.used_pages == 0 and "gone" not in v.engine.cache.seqs
+        assert prefilling == 0
+        assert len(chunks) < len(LONG)  # stopped part way: 400 chunks of one token
