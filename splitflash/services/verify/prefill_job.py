@@ -47,6 +47,9 @@ class PrefillJob(Deferred):
         t = time.perf_counter()
         try:
             return self._advance()
+        except BaseException:  # a bug: the caller gets an Error; the running prompt's pages
+            self.abandon()  # are freed (items done are released by the gateway after it)
+            raise
         finally:
             self.server.metrics.add_busy(time.perf_counter() - t)
             self.server.update_kv_gauges()
@@ -131,6 +134,8 @@ class PrefillJob(Deferred):
     def cancel(self, request_id: str) -> bool:
         """A Release of one of this job's requests: True if it was not done yet (it ends now
         with an error outcome, its pages freed); False if unknown here or already done."""
+        if self.done:
+            return False
         for i, item in enumerate(self.items):
             if item.request_id != request_id or self.outcomes[i] is not None:
                 continue
@@ -148,6 +153,7 @@ class PrefillJob(Deferred):
         self.server.send_features(reports)
         results = [self.server.result(x) if isinstance(x, StepReport) else x
                    for x in self.outcomes]  # fmt: skip
+        self.outcomes = []  # a long prompt's feature rows: not held until the next Prefill
         self.server.metrics.verify_seconds.observe(self.forward)
         timings = {"forward": self.forward, "total": time.perf_counter() - self.t0}
         return PrefillReply(results=results, timings=timings)
