@@ -8,6 +8,7 @@ feature layers on, as a DFlash deployment runs it; each chunk setting prefills o
 up (kernels, autotuning), then --reps times.
 
     python -m bench.prefill --device cuda --contexts 32768 185000 --chunks 0 8192 2048
+    python -m bench.prefill --shape smollm2-135m ...   # random bf16 weights (no checkpoint)
     python -m bench.prefill --device cpu --contexts 600 --chunks 0 128 --reps 1   # smoke
 
 A chunk of 0 is the whole prompt in one forward (the engine's behaviour before chunking).
@@ -63,10 +64,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 8192, 2048])
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--shape", default=None,
+                   help="a bench.verify_step shape with random bf16 weights and a random "
+                   "prompt, instead of --target's checkpoint (CUDA only)")  # fmt: skip
     args = p.parse_args(argv)
     if any(c < 0 for c in args.chunks) or args.reps < 1:
         p.error("--chunks must be >= 0 (0: whole prompt) and --reps >= 1")
+    engine, prompts = _random_setup(args) if args.shape else _checkpoint_setup(args)
+    cuda = args.device.startswith("cuda")
+    rows = []
+    for ctx in args.contexts:
+        prompt = prompts(ctx)
+        for chunk in args.chunks:
+            row = measure(engine, prompt, chunk, args.reps, cuda)
+            rows.append(row)
+            peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
+            print(f"ctx {ctx:>7} chunk {chunk or 'whole':>6}: {row['seconds']:.3f} s, slowest "
+                  f"chunk {row['slowest_chunk_s']:.3f} s{peak}", flush=True)  # fmt: skip
+    if args.json_out:
+        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu",
+                    target=args.shape or args.target, random_weights=bool(args.shape))  # fmt: skip
+        args.json_out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    return 0
 
+
+def _random_setup(args):
+    """The engine of bench.verify_step (random bf16 weights, the drafter's feature layers)
+    and random prompts: a prefill's time does not depend on the values."""
+    import torch
+
+    from bench.verify_step import SHAPES, _engine
+
+    if not args.device.startswith("cuda"):
+        raise SystemExit("--shape needs --device cuda")
+    engine = _engine(max(args.contexts) + 64, 1, 16, shape=args.shape)
+    engine.graphs = None  # a prefill is never graphed
+    vocab = SHAPES[args.shape]["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    return engine, lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+def _checkpoint_setup(args):
+    """The engine as the verify service loads --target, and prompts of its tokenizer."""
     from bench.long_context import build_prompt
     from splitflash.models import store
     from splitflash.models.dflash.checkpoint import CONFIG_FILE
@@ -83,20 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter_config = DFlashConfig.from_json(default_drafter_path(args.target) / CONFIG_FILE)
     engine.feature_layer_ids = drafter_config.target_layer_ids
     tokenizer = load_tokenizer(store.resolve(args.target))
-    cuda = args.device.startswith("cuda")
-    rows = []
-    for ctx in args.contexts:
-        prompt = build_prompt(tokenizer, ctx)
-        for chunk in args.chunks:
-            row = measure(engine, prompt, chunk, args.reps, cuda)
-            rows.append(row)
-            peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
-            print(f"ctx {ctx:>7} chunk {chunk or 'whole':>6}: {row['seconds']:.3f} s, slowest "
-                  f"chunk {row['slowest_chunk_s']:.3f} s{peak}", flush=True)  # fmt: skip
-    if args.json_out:
-        meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", target=args.target)
-        args.json_out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    return 0
+    return engine, lambda n: build_prompt(tokenizer, n)
 
 
 if __name__ == "__main__":
