@@ -202,12 +202,20 @@ def test_the_gateway_keeps_streaming_while_a_long_prompt_prefills():
                 late = _job("late", LONG, 4)
                 submitted = time.monotonic()
                 runtime.orchestrator.submit(late)
+                seen = []  # /ready's counts while the long prompt prefills
+                for _ in range(1000):  # bounded: until its Prefill is sent
+                    if runtime.orchestrator.prefilling:
+                        status = runtime.status()
+                        seen.append((status["prefilling"], status["running"]))
+                        break
+                    await asyncio.sleep(0.001)
                 outs = await asyncio.gather(streaming, _collect(late, arrivals))
-                return outs, arrivals, submitted
+                return outs, arrivals, submitted, seen
             finally:
                 await runtime.stop()
 
-        (stream_ids, late_ids), arrivals, submitted = asyncio.run(go())
+        (stream_ids, late_ids), arrivals, submitted, seen = asyncio.run(go())
+    assert seen == [(1, 1)]  # the long prompt prefilling, the stream running
     late_first = min(t for t, rid, _ in arrivals if rid == "late")
     meanwhile = sum(n for t, rid, n in arrivals if rid == "stream" and submitted < t < late_first)
     # The old admission awaited the Prefill before the next step: nothing streamed meanwhile.

@@ -152,6 +152,7 @@ class GatewayRuntime:
             "verify": verify,
             "draft": self._service_status(self.draft, "draft"),
             "running": len(orch.running) if orch else 0,
+            "prefilling": len(orch.prefilling) if orch else 0,
             "waiting": len(orch.waiting) if orch else 0,
         }
 
