@@ -6,7 +6,7 @@
 #        included); batch 1 split counts at q 1 and q 16 (8k, 32k); the verify step
 #   bash bench/gpu_s32.sh b   every GPU test (~200 s on an H100)
 #   bash bench/gpu_s32.sh p   the prefill part of a alone
-#   bash bench/gpu_s32.sh c   (~200 s) p, then attention at 1.5 against 2 programs per SM
+#   bash bench/gpu_s32.sh c   (~200 s) the GPU test of a prefill chunk's sync, p, then attention at 1.5 against 2 programs per SM
 #        (call 1 of session 32: 1.5 won at every batch 1 point, H100): batch 8 and 128k points
 #        of the shape, and the default model's shape at 32k and 185k
 source bench/gpu_setup.sh
@@ -29,6 +29,8 @@ if [ "$1" = a ]; then
 elif [ "$1" = p ]; then
   prefill
 elif [ "$1" = c ]; then
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_prefill_chunks.py \
+    2>&1 | tail -2
   prefill
   timeout 100 python3 -m bench.kernel_sweep --points 8:8192:16 8:32768:16 8:131072:16 \
     1:131072:16 8:32768:1 8:131072:1 1:131072:1 --configs 64,4,3 --waves 1.5 2 \

@@ -115,3 +115,21 @@ def test_an_aborted_prompt_run_frees_its_pages_and_its_id():
         run.advance()
     report = engine.prefill("r", PROMPT, Sampling(), (), 100)
     assert report.committed_len == len(PROMPT) + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_chunk_has_run_on_the_gpu_when_advance_returns():
+    """The verify loop serves the next message after advance(): a chunk still queued on the
+    stream would make that step wait behind it (and behind any chunk queued after it)."""
+    from splitflash.models.kv_cache import PagedKVCache
+
+    model = tiny_model().to("cuda")
+    cfg = model.cfg
+    cache = PagedKVCache(cfg.num_layers, 96, 4, cfg.num_kv_heads, cfg.head_dim, device="cuda")
+    engine = TargetEngine(model, cache, FEATURE_LAYERS, prefill_chunk=64)
+    run = engine.start_prefill("r", PROMPT, Sampling(), (), 100)
+    while (report := run.advance()) is None:
+        assert torch.cuda.current_stream().query(), "the chunk is still queued"
+    want = _engine(tiny_model(), 10_000).prefill("r", PROMPT, Sampling(), (), 100)
+    assert report.outcome.committed == want.outcome.committed

@@ -81,6 +81,11 @@ class PromptRun:
         if out.hidden is not None:
             self._hidden.append(out.hidden)
         if self.cached < len(self.prompt):
+            if e.device.type == "cuda":
+                # One chunk in flight at most: the loop serves the next message once this
+                # chunk has run, so a step waits behind one chunk, not behind every chunk
+                # the host could queue meanwhile (the launches are asynchronous).
+                torch.cuda.current_stream(e.device).synchronize()
             return None
         return self._commit_first(out.logits[0])
 
