@@ -55,11 +55,14 @@ class FeatureRecordingDrafter(NgramDrafter):
         self.features.setdefault(request_id, []).append((start_pos, features.clone()))
 
 
-def test_features_reach_the_drafter_contiguously_before_each_reply():
+@pytest.mark.parametrize("chunk", [8192, 4])
+def test_features_reach_the_drafter_contiguously_before_each_reply(chunk):
+    """chunk 4: a prompt prefilled in chunks streams each chunk's rows as it is made."""
     drafter = FeatureRecordingDrafter()
     with running(DraftServer(DraftSettings(bind=ANY_PORT, metrics_port=0), drafter)) as d:
         settings = VerifySettings(bind=ANY_PORT, metrics_port=0, draft_addr=d.endpoint)
         engine = tiny_engine(tiny_model())
+        engine.prefill_chunk = chunk
         with (
             running(VerifyServer(settings, engine=engine)) as v,
             client_for(v.endpoint, "verify") as vc,
@@ -83,13 +86,17 @@ def test_features_reach_the_drafter_contiguously_before_each_reply():
         starts = [s for s, _ in blocks]
         sizes = [f.shape[0] for _, f in blocks]
         assert starts == [sum(sizes[:i]) for i in range(len(sizes))]  # contiguous from 0
-        # prefill: the prompt's rows; each verify step: the KV growth = accepted + 1
-        assert sizes == [len(r.prompt)] + [res.accepted_drafts + 1 for res in r.results[1:]]
+        # prefill: the prompt's rows, a block per chunk; each verify step: the KV growth =
+        # accepted + 1
+        prompt_blocks = [min(chunk, len(r.prompt) - lo) for lo in range(0, len(r.prompt), chunk)]
+        steps = [res.accepted_drafts + 1 for res in r.results[1:]]
+        assert sizes == prompt_blocks + steps
         assert all(f.shape[1] == 2 * hidden for _, f in blocks)
     # The prompt's features are the target's own hidden states of layers 0 and 2.
     oracle = TargetEngine(tiny_model(), tiny_engine(tiny_model()).cache, (0, 2))
     ref = oracle.prefill("o", PROMPT, Sampling(), (), 100).features
-    torch.testing.assert_close(drafter.features["f0"][0][1], ref)
+    got = torch.cat([f for _, f in drafter.features["f0"]])[: len(PROMPT)]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
 
 
 def test_features_link_down_never_fails_the_step():

@@ -115,11 +115,18 @@ class TargetEngine:
 
     # --- prefill ---------------------------------------------------------------------
     def start_prefill(
-        self, request_id: str, prompt: list[int], sampling: Sampling, stop_ids, max_commit: int
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: Sampling,
+        stop_ids,
+        max_commit: int,
+        stream_features: bool = False,
     ) -> PromptRun:
         """The prompt's KV reserved, its forwards left to PromptRun.advance() (prompt_run.py):
         one chunk of <= prefill_chunk tokens each. The prompt must fit the context."""
-        return PromptRun(self, request_id, prompt, sampling, stop_ids, max_commit)
+        return PromptRun(self, request_id, prompt, sampling, stop_ids, max_commit,
+                         stream_features)  # fmt: skip
 
     def prefill(
         self, request_id: str, prompt: list[int], sampling: Sampling, stop_ids, max_commit: int

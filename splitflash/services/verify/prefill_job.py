@@ -5,7 +5,9 @@ runs the other messages that arrive meanwhile (the running requests' Verify step
 Release, heartbeats) between its chunks, so admitting a 185k-token prompt delays every
 other request's step by one chunk's forward (VerifySettings.prefill_chunk tokens), not by
 the whole prefill. The reply (one StepResult per item, in order) goes once every item has
-its outcome; the items' feature rows go to their drafters first, as for a Verify step.
+its outcome. A prompt's feature rows go to its drafter chunk by chunk as they are made (the
+last chunk's before the reply, as for a Verify step), so neither the GPU holds a long
+prompt's features nor the end of its prefill stalls the loop for one huge transfer.
 
 An item's outcome is an error instead when: its deadline passes (before or between chunks),
 its draft peer cannot be reached, the engine refuses it (too long, pool full, duplicate id),
@@ -89,7 +91,8 @@ class PrefillJob(Deferred):
         try:
             run = engine.start_prefill(rid, list(item.prompt_ids),
                                        Sampling(s.temperature, s.top_p, s.top_k, s.seed),
-                                       self.server.stop_ids, max(room, 1))  # fmt: skip
+                                       self.server.stop_ids, max(room, 1),
+                                       stream_features=True)  # fmt: skip
         except Exception as e:  # too long, pool full, duplicate id: this item fails only
             self._failed(i, e)
             return
@@ -115,7 +118,11 @@ class PrefillJob(Deferred):
             self.forward += time.perf_counter() - t
         if report is not None:
             self._run = None
-            self.outcomes[i] = report
+            self.outcomes[i] = report  # its last chunk's rows go with the reply
+        elif run.chunk_rows is not None:  # this chunk's rows to the drafter now
+            rows = StepReport(item.request_id, None, 0, features=run.chunk_rows,
+                              feature_start=run.chunk_start)  # fmt: skip
+            self.server.send_features([rows])
 
     def _failed(self, i: int, e: Exception) -> None:
         rid = self.items[i].request_id

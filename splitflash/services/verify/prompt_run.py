@@ -35,6 +35,7 @@ class PromptRun:
         sampling: Sampling,
         stop_ids,
         max_commit: int,
+        stream_features: bool = False,
     ) -> None:
         if not prompt:
             raise ValueError("prompt is empty")
@@ -56,6 +57,13 @@ class PromptRun:
         self.max_commit = max_commit
         self.cached = 0  # prompt tokens in the KV cache so far
         self.ended = False  # finished, failed or aborted
+        # stream_features: each chunk's feature rows are this chunk's only, to be sent on at
+        # once (chunk_rows / chunk_start); the report carries the last chunk's. Else they
+        # are kept and the report carries the whole prompt's (a 185k prompt of a model with
+        # 7168-wide features, 5 layers of them: 13 GB held until the end).
+        self.stream_features = stream_features
+        self.chunk_start = 0  # position of the last chunk's first token
+        self.chunk_rows: torch.Tensor | None = None  # [chunk, F] of the last chunk (streamed)
         self._hidden: list[torch.Tensor] = []  # feature rows of each chunk: [chunk, F]
 
     @property
@@ -78,7 +86,8 @@ class PromptRun:
             raise
         self.cached = lo + len(part)
         e.cache.seq(self.request_id).length = self.cached
-        if out.hidden is not None:
+        self.chunk_start, self.chunk_rows = lo, out.hidden
+        if out.hidden is not None and not self.stream_features:
             self._hidden.append(out.hidden)
         if self.cached < len(self.prompt):
             if e.device.type == "cuda":
@@ -91,9 +100,11 @@ class PromptRun:
 
     def _commit_first(self, logits: torch.Tensor) -> StepReport:
         self.ended = True
-        hidden = self._hidden
+        hidden, start = self._hidden, 0
         features = (hidden[0] if len(hidden) == 1 else torch.cat(hidden)) if hidden else None
-        self._hidden = []
+        if self.stream_features:
+            features, start = self.chunk_rows, self.chunk_start
+        self._hidden, self.chunk_rows = [], None
         seq = Sequence(self.request_id, list(self.prompt), self.sampling,
                        make_generator(self.sampling.seed), self.stop_ids)  # fmt: skip
         self.engine.seqs[self.request_id] = seq
@@ -101,11 +112,12 @@ class PromptRun:
         seq.tokens.append(token)
         finished = token in seq.stop_ids or self.max_commit <= 1
         outcome = StepOutcome([token], 0, 0, 0, [])
-        return StepReport(self.request_id, outcome, len(seq.tokens), [], features, 0, finished)
+        return StepReport(self.request_id, outcome, len(seq.tokens), [], features, start,
+                          finished)  # fmt: skip
 
     def abort(self) -> None:
         """Stop before the last chunk and free what was reserved (a no-op once ended)."""
         if not self.ended:
             self.ended = True
-            self._hidden = []
+            self._hidden, self.chunk_rows = [], None
             self.engine.cache.free(self.request_id)
