@@ -5,6 +5,8 @@
 #        Llama-3-8B's at 32k; the prefill attention GPU tests (chunk after cached chunks
 #        included); batch 1 split counts at q 1 and q 16 (8k, 32k); the verify step
 #   bash bench/gpu_s32.sh b   every GPU test (~200 s on an H100)
+#   bash bench/gpu_s32.sh d   (~60 s) the split chunk attention (models/chunk_attention.py):
+#        its GPU tests, then its time and error against the masked chunks at 185k and 32k
 #   bash bench/gpu_s32.sh p   the prefill part of a alone
 #   bash bench/gpu_s32.sh c   (~200 s) the GPU test of a prefill chunk's sync, p, then attention at 1.5 against 2 programs per SM
 #        (call 1 of session 32: 1.5 won at every batch 1 point, H100): batch 8 and 128k points
@@ -38,6 +40,14 @@ elif [ "$1" = c ]; then
   timeout 60 python3 -m bench.kernel_sweep --shape 9,3,64 --points 1:32768:16 1:185000:16 \
     1:185000:1 --configs 128,4,3 --waves 1.5 2 --time-limit 50 \
     --out "$OUT/sweep_waves_135m.json" 2>&1 | sed -n '/^summary/,$p'
+elif [ "$1" = d ]; then
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_chunk_attention.py \
+    2>&1 | tail -3
+  timeout 60 python3 -m bench.sdpa_chunk_probe --context 185000 --chunk 8192 2>&1 | tail -9
+  timeout 40 python3 -m bench.sdpa_chunk_probe --context 32768 --chunk 8192 --heads 32 \
+    --dim 128 2>&1 | tail -9
+  SPLITFLASH_PREFILL_SPLIT_ATTENTION=1 timeout 120 python3 -m bench.prefill --shape smollm2-135m \
+    --contexts 32768 185000 --chunks 0 8192 2048 --reps 2 2>&1 | grep "^ctx"
 elif [ "$1" = b ]; then
   timeout 290 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4
 fi

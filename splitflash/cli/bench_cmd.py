@@ -32,6 +32,7 @@ BENCHES = {
     "first_step": "bench.first_step",
     "graph_memory": "bench.graph_memory",
     "prefill": "bench.prefill",
+    "sdpa_chunk_probe": "bench.sdpa_chunk_probe",
 }
 
 

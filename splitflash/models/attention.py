@@ -13,11 +13,10 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from splitflash.kernels.fused_dispatch import rope_kv_write
 from splitflash.kernels.paged_attention_ref import RopeWrite
+from splitflash.models.chunk_attention import chunk_attention
 
 log = logging.getLogger("splitflash.attention")
 
@@ -91,11 +90,7 @@ def causal_attention_torch(
         v = _gather(v_pages, meta.page_table[b], kv_len).transpose(0, 1)
         k = k.repeat_interleave(group, 0).to(q.dtype)[None]  # [1, H, L, D]
         v = v.repeat_interleave(group, 0).to(q.dtype)[None]
-        if kv_len == q_len:
-            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale)
-        else:
-            mask = causal_lower_right(q_len, kv_len)
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        o = chunk_attention(qb, k, v, scale)  # square: the whole prompt, plain causal
         out[lo : lo + q_len] = o[0].transpose(0, 1)
     return out
 

@@ -1,0 +1,62 @@
+"""A prefill chunk's attention as two fused calls merged by their log-sum-exp.
+
+A chunk of c queries after p cached keys sees every cached key and, causally, its own c
+keys: SDPA's bottom-right causal mask (`causal_lower_right`). On an H100 torch serves that
+mask with FlashAttention-2, 1.65x the time of the cuDNN kernel it picks for a square causal
+prompt (bench/RESULTS.md "Session 32": 142 against 86 ms a layer at 185k keys, the default
+model's heads), so a prompt prefilled in chunks took 1.76x the whole prompt's time. Split, each
+half is a shape the fast kernel takes: the chunk against the cached keys (no mask) and against
+its own keys (square causal); their outputs merge exactly through the two log-sum-exps.
+
+SPLITFLASH_PREFILL_SPLIT_ATTENTION=1 turns it on: the CUDA path (cuDNN's private op, which
+returns the log-sum-exp) is not measured yet; the CPU path is checked against the mask.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+def split_enabled() -> bool:
+    return os.environ.get("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "0") == "1"
+
+
+def _attend_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [1, H, T, D], natural log-sum-exp of each row's scores [1, H, T] fp32)."""
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+    return out, lse.reshape(q.shape[:3]).float()
+
+
+def chunk_attention_split(q, k, v, scale) -> torch.Tensor:
+    """q [1, H, c, D] at the last c of k/v's L positions [1, H, L, D] -> [1, H, c, D]:
+    what SDPA with causal_lower_right(c, L) gives."""
+    p = k.shape[2] - q.shape[2]  # cached keys before the chunk
+    o_old, lse_old = _attend_lse(q, k[:, :, :p], v[:, :, :p], False, scale)
+    o_new, lse_new = _attend_lse(q, k[:, :, p:], v[:, :, p:], True, scale)
+    top = torch.maximum(lse_old, lse_new)
+    w_old, w_new = torch.exp(lse_old - top), torch.exp(lse_new - top)  # [1, H, c]
+    total = (w_old + w_new)[..., None]
+    merged = (o_old.float() * w_old[..., None] + o_new.float() * w_new[..., None]) / total
+    return merged.to(q.dtype)
+
+
+def chunk_attention(q, k, v, scale) -> torch.Tensor:
+    """The chunk's attention: split (when enabled and there are cached keys) or masked."""
+    c, length = q.shape[2], k.shape[2]
+    if c == length:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if split_enabled():
+        return chunk_attention_split(q, k, v, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, length),
+                                          scale=scale)  # fmt: skip

@@ -1,0 +1,79 @@
+"""A prefill chunk's attention split in two and merged by log-sum-exp (chunk_attention.py)
+equals SDPA with the bottom-right causal mask, and a prompt prefilled in chunks through it
+leaves what one forward leaves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from splitflash.models.chunk_attention import chunk_attention, chunk_attention_split
+from splitflash.services.verify.sampling import Sampling
+from tests.conftest import tiny_engine, tiny_model
+
+
+def _case(chunk: int, cached: int, device="cpu", dtype=torch.float32, heads=4, dim=16):
+    g = torch.Generator(device).manual_seed(chunk * 1000 + cached)
+    q = torch.randn(1, heads, chunk, dim, generator=g, device=device).to(dtype)
+    k = torch.randn(1, heads, cached + chunk, dim, generator=g, device=device).to(dtype)
+    v = torch.randn(1, heads, cached + chunk, dim, generator=g, device=device).to(dtype)
+    return q, k, v
+
+
+def _masked(q, k, v, scale=None):
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize(("chunk", "cached"), [(1, 1), (7, 13), (16, 113), (64, 4097), (65, 3)])
+def test_the_split_chunk_equals_the_masked_chunk(chunk, cached):
+    q, k, v = _case(chunk, cached)
+    want = _masked(q.double(), k.double(), v.double(), scale=0.2)
+    got = chunk_attention_split(q, k, v, 0.2)
+    low = _masked(q, k, v, scale=0.2)  # the fp32 kernel's own error sets the bound
+    bound = 2 * (low.double() - want).abs().max() + 1e-6
+    assert (got.double() - want).abs().max() <= bound
+
+
+def test_the_switch_picks_the_split_only_for_a_chunk_after_cached_keys(monkeypatch):
+    calls = []
+    import splitflash.models.chunk_attention as mod
+
+    monkeypatch.setattr(mod, "chunk_attention_split", lambda *a: calls.append(a) or a[0])
+    q, k, v = _case(5, 0)
+    chunk_attention(q, k, v, None)  # the whole prompt: square causal, never split
+    monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "1")
+    chunk_attention(q, k, v, None)
+    assert not calls
+    q, k, v = _case(5, 9)
+    chunk_attention(q, k, v, None)
+    assert len(calls) == 1
+    monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "0")
+    torch.testing.assert_close(chunk_attention(q, k, v, None), _masked(q, k, v))
+
+
+def test_a_prompt_prefilled_through_split_chunks_leaves_what_one_forward_leaves(monkeypatch):
+    monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "1")
+    prompt = [(i * 37 + 11) % 97 for i in range(150)]  # past 64: the SDPA prefill path
+    model = tiny_model()
+    whole, chunked = tiny_engine(model, pages=96), tiny_engine(model, pages=96)
+    whole.feature_layer_ids = chunked.feature_layer_ids = (0, 2)
+    chunked.prefill_chunk = 65
+    got = chunked.prefill("r", prompt, Sampling(), (), 100)
+    want = whole.prefill("r", prompt, Sampling(), (), 100)
+    assert got.outcome.committed == want.outcome.committed
+    torch.testing.assert_close(got.features, want.features, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("chunk", "cached"), [(65, 3), (512, 4097), (2048, 30000)])
+def test_the_split_chunk_on_the_gpu_in_bf16(chunk, cached):
+    """The CUDA path (cuDNN's op and its log-sum-exp): not measured before it was written."""
+    q, k, v = _case(chunk, cached, "cuda", torch.bfloat16, heads=9, dim=64)
+    want = _masked(q.float(), k.float(), v.float())
+    got = chunk_attention_split(q, k, v, None).float()
+    low = _masked(q, k, v).float()
+    assert (got - want).abs().max() <= 2 * (low - want).abs().max() + 1e-3
