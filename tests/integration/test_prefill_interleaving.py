@@ -258,3 +258,39 @@ def test_a_request_cancelled_while_prefilling_stops_its_prefill_and_frees_its_pa
         assert v.engine.cache.used_pages == 0 and "gone" not in v.engine.cache.seqs
         assert prefilling == 0
         assert len(chunks) < len(LONG)  # stopped part way: 400 chunks of one token
+
+
+def test_a_prefill_slower_than_the_step_timeout_gets_time_by_its_length():
+    """400 tokens at 2 per chunk, 5 ms a chunk: ~1 s, past verify_timeout_s (0.5 s). The
+    Prefill's allowance (0.5 s + 400 / 100 tok/s) covers it: no worker lost, no retry."""
+    with running(verify_server()) as v:
+        forward = v.engine.model.forward
+
+        def slow(*args, **kwargs):
+            time.sleep(0.005)
+            return forward(*args, **kwargs)
+
+        v.engine.model.forward = slow
+        settings = GatewaySettings(verify_addr=v.endpoint, draft_addr="", verify_timeout_s=0.5,
+                                   prefill_tokens_per_s=100.0)  # fmt: skip
+        assert settings.prefill_timeout_s(400) == 4.5
+
+        async def go():
+            runtime = GatewayRuntime(settings, tokenizer=None)
+            await runtime.start()
+            try:
+                job = _job("long", LONG, 2)
+                runtime.orchestrator.submit(job)
+                ids = await _collect(job, [])
+                return ids, job.attempts, [link.alive for link in runtime.verify.links.values()]
+            finally:
+                await runtime.stop()
+
+        ids, attempts, alive = asyncio.run(go())
+    assert ids == target_only(LONG, 2)
+    assert attempts == 1 and alive == [True]
+
+
+def test_the_prefill_rate_must_be_positive():
+    with pytest.raises(ValueError, match="prefill_tokens_per_s must be > 0"):
+        GatewaySettings(prefill_tokens_per_s=0)

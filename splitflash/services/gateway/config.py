@@ -38,6 +38,10 @@ class GatewaySettings:
     spec_gate: bool = True
     spec_probe_every: int = 32
     verify_timeout_s: float = 60.0
+    # A Prefill may take verify_timeout_s plus its prompt tokens at this rate: the slowest
+    # prefill a live verify worker is allowed (verify runs a long prompt a chunk at a time
+    # between the other requests' steps; a 185k prompt gets 60 + 370 s at the default).
+    prefill_tokens_per_s: float = 500.0
     heartbeat_s: float = 1.0
     trace_requests: int = 256  # per-request traces kept in memory (most recent)
     api_keys: tuple[str, ...] = ()  # empty = no authentication
@@ -59,8 +63,14 @@ class GatewaySettings:
             raise ValueError(f"spec_probe_every must be >= 1, got {self.spec_probe_every}")
         if self.max_attempts < 1 or self.discovery_s <= 0:
             raise ValueError("max_attempts must be >= 1 and discovery_s > 0")
+        if self.verify_timeout_s <= 0 or self.prefill_tokens_per_s <= 0:
+            raise ValueError("verify_timeout_s and prefill_tokens_per_s must be > 0")
         if not self.verify_endpoints:
             raise ValueError("no verify worker: set verify_addr or verify_addrs")
+
+    def prefill_timeout_s(self, prompt_tokens: int) -> float:
+        """How long a Prefill of this many prompt tokens (all its items) may take."""
+        return self.verify_timeout_s + prompt_tokens / self.prefill_tokens_per_s
 
     @property
     def verify_endpoints(self) -> tuple[str, ...]:

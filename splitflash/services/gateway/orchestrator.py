@@ -173,7 +173,8 @@ class Orchestrator:
             self._wake.set()
 
     async def _call_prefill(self, link: WorkerLink, jobs: list[Job]) -> PrefillReply | Exception:
-        deadline = time.time() + self.settings.verify_timeout_s
+        timeout = self.settings.prefill_timeout_s(sum(j.base_len for j in jobs))
+        deadline = time.time() + timeout
         items = []
         for j in jobs:
             j.attempts += 1
@@ -191,9 +192,7 @@ class Orchestrator:
                 )
             )
         try:
-            reply, _ = await link.call(
-                Prefill(items=items), timeout_s=self.settings.verify_timeout_s, expect=PrefillReply
-            )
+            reply, _ = await link.call(Prefill(items=items), timeout_s=timeout, expect=PrefillReply)
         except Exception as exc:  # noqa: BLE001 - handled per worker by the caller
             return exc
         return reply
