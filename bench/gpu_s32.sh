@@ -8,9 +8,11 @@
 #   bash bench/gpu_s32.sh d   (~60 s) the split chunk attention (models/chunk_attention.py):
 #        its GPU tests, then its time and error against the masked chunks at 185k and 32k
 #   bash bench/gpu_s32.sh p   the prefill part of a alone
-#   bash bench/gpu_s32.sh c   (~200 s) the GPU test of a prefill chunk's sync, p, then attention at 1.5 against 2 programs per SM
-#        (call 1 of session 32: 1.5 won at every batch 1 point, H100): batch 8 and 128k points
-#        of the shape, and the default model's shape at 32k and 185k
+#   bash bench/gpu_s32.sh c   (~200 s) the GPU test of a prefill chunk's sync, p, then
+#        attention at 1.5 against 2 programs per SM (call 1 of session 32: 1.5 won at every
+#        batch 1 point, H100): batch 8 and 128k points of the shape, and the default
+#        model's shape at 32k and 185k
+# Session 32 ran a, c and the probe; d and b are next (bench/RESULTS.md "Session 32").
 source bench/gpu_setup.sh
 
 prefill() {
