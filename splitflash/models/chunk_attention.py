@@ -1,12 +1,13 @@
 """A prefill chunk's attention as two fused calls merged by their log-sum-exp.
 
 A chunk of c queries after p cached keys sees every cached key and, causally, its own c
-keys: SDPA's bottom-right causal mask (`causal_lower_right`). On an H100 torch serves that
-mask with FlashAttention-2, 1.65x the time of the cuDNN kernel it picks for a square causal
-prompt (bench/RESULTS.md "Session 32": 142 against 86 ms a layer at 185k keys, the default
-model's heads), so a prompt prefilled in chunks took 1.76x the whole prompt's time. Split, each
-half is a shape the fast kernel takes: the chunk against the cached keys (no mask) and against
-its own keys (square causal); their outputs merge exactly through the two log-sum-exps.
+keys: SDPA's bottom-right causal mask (`causal_lower_right`). On an H100 that mask runs in
+the time FlashAttention-2 takes (torch's CausalBias sends it to flash), 1.65x the cuDNN
+kernel torch picks for a square causal prompt (bench/RESULTS.md "Session 32": 142 against
+86 ms a layer at 185k keys, the default model's heads), so a prompt prefilled in chunks took
+1.76x the whole prompt's time. Split, each half is a shape the fast kernel takes: the chunk
+against the cached keys (no mask) and against its own keys (square causal); their outputs
+merge exactly through the two log-sum-exps.
 
 SPLITFLASH_PREFILL_SPLIT_ATTENTION=1 turns it on: the CUDA path (cuDNN's private op, which
 returns the log-sum-exp) is not measured yet; the CPU path is checked against the mask.
