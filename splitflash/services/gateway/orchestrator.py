@@ -20,16 +20,12 @@ from collections import deque
 
 from splitflash.protocol import (
     Prefill,
-    PrefillItem,
     PrefillReply,
     Release,
     RemoteError,
-    SamplingParams,
     Verify,
-    VerifyItem,
     VerifyReply,
 )
-from splitflash.services.common.metric_math import GATE_MODES
 from splitflash.services.common.metrics import GatewayMetrics
 from splitflash.services.gateway.api_errors import ApiError
 from splitflash.services.gateway.config import GatewaySettings
@@ -40,8 +36,9 @@ from splitflash.services.gateway.links import WorkerLink
 from splitflash.services.gateway.placement import group_by, place
 from splitflash.services.gateway.recovery import Recovery, recovery_for
 from splitflash.services.gateway.results import commit, fail, finish
-from splitflash.services.gateway.spec_gate import ContextGates, SpecGate
-from splitflash.services.gateway.step_record import StepTimer, record_result
+from splitflash.services.gateway.spec_gate import ContextGates
+from splitflash.services.gateway.step_record import StepTimer, record_gate, record_result
+from splitflash.services.gateway.wire_items import prefill_items, verify_items
 
 log = logging.getLogger("splitflash.gateway.orchestrator")
 MAX_PENDING_RELEASES = 4096  # ids kept per down worker until it is back (then released)
@@ -175,22 +172,10 @@ class Orchestrator:
     async def _call_prefill(self, link: WorkerLink, jobs: list[Job]) -> PrefillReply | Exception:
         timeout = self.settings.prefill_timeout_s(sum(j.base_len for j in jobs))
         deadline = time.time() + timeout
-        items = []
         for j in jobs:
             j.attempts += 1
             j.verify_generation = link.generation
-            items.append(
-                PrefillItem(
-                    request_id=j.request_id,
-                    deadline=deadline,
-                    # a resumed request (recovery.py) continues after what it streamed
-                    prompt_ids=j.prompt_ids + j.generated,
-                    sampling=SamplingParams(
-                        temperature=j.temperature, top_p=j.top_p, top_k=j.top_k, seed=j.seed
-                    ),
-                    draft_peer=self.drafting.draft_peer(j),
-                )
-            )
+        items = prefill_items(jobs, deadline, self.drafting.draft_peer)
         try:
             reply, _ = await link.call(Prefill(items=items), timeout_s=timeout, expect=PrefillReply)
         except Exception as exc:  # noqa: BLE001 - handled per worker by the caller
@@ -249,35 +234,14 @@ class Orchestrator:
                 commit(job, result.committed_ids, result.finished_reason, self.metrics)
                 committed.append(result.commit_len)
         if gate is not None:
-            self._gate_record(gate, bucket, bool(drafts), committed, timer.start)
+            record_gate(gate, bucket, bool(drafts), committed, timer.start, self.metrics)
         timer.finish(self.metrics, longest)
-
-    def _gate_record(
-        self, gate: SpecGate, bucket: str, drafted: bool, committed: list[int], start: float
-    ) -> None:
-        if not committed:
-            return
-        gate.record(drafted, sum(committed) / len(committed), time.perf_counter() - start)
-        gauge = self.metrics.spec_gate_tokens_per_second
-        for mode in GATE_MODES:
-            rate = gate.rate(mode)
-            if rate is not None:
-                gauge.labels(mode=mode, context_bucket=bucket).set(rate)
 
     async def _verify_on(
         self, link: WorkerLink, jobs: list[Job], drafts: dict[str, list[int]]
     ) -> VerifyReply | Exception:
         deadline = time.time() + self.settings.verify_timeout_s
-        items = [
-            VerifyItem(
-                request_id=j.request_id,
-                deadline=deadline,
-                base_len=j.base_len,
-                draft_ids=drafts.get(j.request_id, []),
-                max_commit=j.remaining,
-            )
-            for j in jobs
-        ]
+        items = verify_items(jobs, deadline, drafts)
         try:
             reply, _ = await link.call(
                 Verify(items=items), timeout_s=self.settings.verify_timeout_s, expect=VerifyReply

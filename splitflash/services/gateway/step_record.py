@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
-from splitflash.services.common.metric_math import context_bucket
+from splitflash.services.common.metric_math import GATE_MODES, context_bucket
 from splitflash.services.common.metrics import GatewayMetrics, record_spec_step
 from splitflash.services.common.spec_stats import step_invariants
 from splitflash.services.gateway.jobs import Job
+from splitflash.services.gateway.spec_gate import SpecGate
 
 log = logging.getLogger("splitflash.gateway.orchestrator")
 
@@ -101,3 +102,17 @@ def record_result(
         result.commit_len,
         broken,
     )
+
+
+def record_gate(gate: SpecGate, bucket: str, drafted: bool, committed: list[int], start: float,
+                metrics: GatewayMetrics) -> None:  # fmt: skip
+    """A step into its context bucket's speculation gate, and the gate's two speeds out to
+    splitflash_spec_gate_tokens_per_second. committed: commit_len of each request served."""
+    if not committed:
+        return
+    gate.record(drafted, sum(committed) / len(committed), time.perf_counter() - start)
+    gauge = metrics.spec_gate_tokens_per_second
+    for mode in GATE_MODES:
+        rate = gate.rate(mode)
+        if rate is not None:
+            gauge.labels(mode=mode, context_bucket=bucket).set(rate)
