@@ -72,10 +72,9 @@ def causal_attention_torch(
     """Causal attention for long blocks (prefill). q [N, H, D] -> [N, H, D].
 
     A block longer than 64 only comes from prefill: the whole prompt (no prefix: the causal
-    mask is implicit) or one chunk of it after the chunks before (TargetEngine.prefill): then
-    query i sits at position kv_len - q_len + i: a bottom-right aligned causal mask, which
-    SDPA's fused CUDA kernels (flash, else memory-efficient) apply without materialising
-    [q_len, kv_len] (the CPU's math kernel builds it: a chunk's worth).
+    mask is implicit) or one chunk of it after the chunks before (prompt_run.py): then query
+    i sits at position kv_len - q_len + i, a bottom-right aligned causal mask
+    (models/chunk_attention.py says how it is computed).
     """
     out = torch.empty_like(q)
     group = q.shape[1] // k_pages.shape[2]

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
@@ -52,13 +53,14 @@ class Deferred:
         """The loop stops before the reply: drop what the work holds (default: nothing)."""
 
 
+@dataclass(frozen=True, slots=True)
 class _Open:
     """A Deferred call and where its reply goes."""
 
-    __slots__ = ("peer", "call_id", "work", "name")
-
-    def __init__(self, peer: bytes, call_id: bytes, work: Deferred, name: str) -> None:
-        self.peer, self.call_id, self.work, self.name = peer, call_id, work, name
+    peer: bytes
+    call_id: bytes
+    work: Deferred
+    name: str  # the request message's type, for logs and errors
 
 
 class StopFlag(Protocol):

@@ -53,6 +53,17 @@ def verify_server(chunk: int = CHUNK) -> VerifyServer:
     return VerifyServer(settings, engine=engine, model_name="tiny")
 
 
+def before_each_forward(server: VerifyServer, hook) -> None:
+    """Run hook() before every forward of the server's target (a slow or counted chunk)."""
+    forward = server.engine.model.forward
+
+    def hooked(*args, **kwargs):
+        hook()
+        return forward(*args, **kwargs)
+
+    server.engine.model.forward = hooked
+
+
 def target_only(prompt: list[int], n: int) -> list[int]:
     """Reference: one whole-prompt forward, then plain decoding."""
     return generate_local(tiny_engine(tiny_model(), pages=256), None, prompt, n).token_ids
@@ -147,13 +158,7 @@ def test_a_release_mid_prefill_stops_it_and_frees_its_pages():
 
 def test_a_deadline_passing_between_chunks_ends_the_prefill():
     with running(verify_server(chunk=1)) as v:
-        forward = v.engine.model.forward
-
-        def slow(*args, **kwargs):  # 400 chunks x 5 ms: far past the deadline below
-            time.sleep(0.005)
-            return forward(*args, **kwargs)
-
-        v.engine.model.forward = slow
+        before_each_forward(v, lambda: time.sleep(0.005))  # 400 chunks x 5 ms: past the deadline
         pipe = Pipe(v.endpoint)
         try:
             pipe.send(prefill("late", LONG, until=time.time() + 0.3))
@@ -226,13 +231,8 @@ def test_the_gateway_keeps_streaming_while_a_long_prompt_prefills():
 
 def test_a_request_cancelled_while_prefilling_stops_its_prefill_and_frees_its_pages():
     with running(verify_server(chunk=1)) as v:
-        forward, chunks = v.engine.model.forward, []
-
-        def counted(*args, **kwargs):
-            chunks.append(1)
-            return forward(*args, **kwargs)
-
-        v.engine.model.forward = counted
+        chunks: list[int] = []
+        before_each_forward(v, lambda: chunks.append(1))
         settings = GatewaySettings(verify_addr=v.endpoint, draft_addr="")
 
         async def go():
@@ -264,13 +264,7 @@ def test_a_prefill_slower_than_the_step_timeout_gets_time_by_its_length():
     """400 tokens at 2 per chunk, 5 ms a chunk: ~1 s, past verify_timeout_s (0.5 s). The
     Prefill's allowance (0.5 s + 400 / 100 tok/s) covers it: no worker lost, no retry."""
     with running(verify_server()) as v:
-        forward = v.engine.model.forward
-
-        def slow(*args, **kwargs):
-            time.sleep(0.005)
-            return forward(*args, **kwargs)
-
-        v.engine.model.forward = slow
+        before_each_forward(v, lambda: time.sleep(0.005))
         settings = GatewaySettings(verify_addr=v.endpoint, draft_addr="", verify_timeout_s=0.5,
                                    prefill_tokens_per_s=100.0)  # fmt: skip
         assert settings.prefill_timeout_s(400) == 4.5

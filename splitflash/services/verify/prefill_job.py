@@ -110,8 +110,8 @@ class PrefillJob(Deferred):
         t = time.perf_counter()
         try:
             report = run.advance()
-        except Exception as e:  # a forward out of memory: its pages are already freed
-            self._end(i, None)
+        except Exception as e:  # a forward out of memory: the run freed its pages
+            self._run = None
             self._failed(i, e)
             return
         finally:
@@ -130,13 +130,12 @@ class PrefillJob(Deferred):
         self.outcomes[i] = error_result(rid, 0, f"{type(e).__name__}: {e}")
         self.server.feature_peers.pop(rid, None)
 
-    def _end(self, i: int, outcome: StepResult | None) -> None:
-        """The running item stops here (its pages freed); `outcome` None: set by the caller."""
+    def _end(self, i: int, outcome: StepResult) -> None:
+        """The running item stops here with `outcome`, its pages freed."""
         self._run[1].abort()
         self._run = None
-        if outcome is not None:
-            self.outcomes[i] = outcome
-            self.server.feature_peers.pop(self.items[i].request_id, None)
+        self.outcomes[i] = outcome
+        self.server.feature_peers.pop(self.items[i].request_id, None)
 
     def cancel(self, request_id: str) -> bool:
         """A Release of one of this job's requests: True if it was not done yet (it ends now
