@@ -36,6 +36,7 @@ import torch
 
 from splitflash.kernels.tuning import kv_bucket
 from splitflash.models.dflash.cache import DFlashState
+from splitflash.models.dflash.checks import check_appends, check_batch
 from splitflash.models.dflash.graph_inputs import StepInputs, append_rows, pack, views, words
 from splitflash.models.dflash.model import joined_rows
 from splitflash.models.dflash.pool import DraftKVPool
@@ -124,9 +125,9 @@ class DraftGraphs(CaptureStats):
         counts = [0 if a is None else int(a[0].shape[0]) for a in appends]
         starts = [s.n_ctx if a is None else int(a[1]) for s, a in zip(states, appends, strict=True)]
         items = [(s, a[0], a[1]) for s, a in zip(states, appends, strict=True) if a is not None]
-        drafter.check_appends(items)
+        check_appends(drafter, items)
         n_ctx = [s.n_ctx + n for s, n in zip(states, counts, strict=True)]
-        t = drafter.check_batch(states, anchor_token_ids, anchor_positions, block_size, n_ctx)
+        t = check_batch(drafter, states, anchor_token_ids, anchor_positions, block_size, n_ctx)
         slots = self.pool.slots_of(states)
         if self.failed or slots is None or not drafter.poolable:
             return None

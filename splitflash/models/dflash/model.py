@@ -7,7 +7,7 @@ hd head dim, V vocab. Context features of committed tokens enter the draft KV ca
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -20,11 +20,11 @@ from splitflash.models.dflash.cache import (
     TORCH_ATTENTION,
     TRITON_ATTENTION,
     AttentionBackend,
-    DFlashDesyncError,
     DFlashState,
     LayerKV,
     auto_attention_backend,
 )
+from splitflash.models.dflash.checks import check_appends, check_batch
 from splitflash.models.dflash.config import DFlashConfig
 from splitflash.models.dflash.layers import DFlashDecoderLayer, RMSNorm, rope_cos_sin
 from splitflash.models.dflash.policy import (
@@ -117,7 +117,8 @@ class DFlashDrafter(nn.Module):
     def policy_info(self) -> dict[str, str]:
         return policy_info(self.config, self.policy, self.window_override, self.backend)
 
-    def _fingerprint(self) -> tuple:
+    def fingerprint(self) -> tuple:
+        """What a state records of the drafter and policy that made it (checks.check_states)."""
         return (id(self), tuple(self.policy))
 
     # ---- state ---------------------------------------------------------------------------
@@ -131,27 +132,14 @@ class DFlashDrafter(nn.Module):
         return DFlashState(
             layers=layers,
             layer_kinds=[p.kind for p in self.policy],
-            fingerprint=self._fingerprint(),
+            fingerprint=self.fingerprint(),
             keys_read_last=[0] * len(self.policy),
         )
-
-    def _check_states(self, states: Iterable[DFlashState]) -> None:
-        fingerprint = self._fingerprint()  # built once: per state it was most of a check
-        if any(state.fingerprint != fingerprint for state in states):
-            raise DFlashDesyncError("DFlash state was created by another drafter or policy")
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.fc.weight.dtype,
                             self._rope_freqs.on(positions.device))  # fmt: skip
-
-    def check_features(self, features: torch.Tensor) -> None:
-        """ValueError unless features are [n, K*D] rows of this drafter's target layers."""
-        if features.dim() != 2 or features.shape[1] != self.config.feature_dim:
-            raise ValueError(
-                f"features must be [n, K*D] = [n, {self.config.feature_dim}], got "
-                f"{tuple(features.shape)}"
-            )
 
     def append_context(self, state: DFlashState, features: torch.Tensor, start_pos: int) -> None:
         """Commit target features [n, K*D] of the tokens at start_pos .. start_pos + n - 1.
@@ -160,21 +148,6 @@ class DFlashDrafter(nn.Module):
         (+ k_norm, RoPE at the absolute position) into that layer's cache.
         """
         self.append_contexts([(state, features, start_pos)])
-
-    def check_appends(self, items: Sequence[tuple[DFlashState, torch.Tensor, int]]) -> None:
-        """Validate appends (state, features [n, K*D], start_pos) without writing: each must
-        start where its state's context (plus its earlier items) ends."""
-        self._check_states(state for state, _, _ in items)
-        held: dict[int, int] = {}  # id(state) -> context held after the items so far
-        for state, features, start_pos in items:
-            expected = held.get(id(state), state.n_ctx)
-            if start_pos != expected:
-                raise DFlashDesyncError(
-                    f"append_context desync: features start at position {start_pos} but the "
-                    f"drafter holds {expected} context tokens (expected start_pos == {expected})"
-                )
-            self.check_features(features)
-            held[id(state)] = start_pos + features.shape[0]
 
     def context_kv(
         self, features: torch.Tensor, positions: torch.Tensor
@@ -196,7 +169,7 @@ class DFlashDrafter(nn.Module):
         (~10 kernels per layer instead of per request), only the cache writes per item. A
         state may appear more than once, its items in position order. Every item is checked
         before any is written."""
-        self.check_appends(items)
+        check_appends(self, items)
         items = [item for item in items if item[1].shape[0] > 0]
         if not items:
             return
@@ -222,39 +195,6 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Logits [block_size - 1, V] for block positions 1 .. B-1."""
         return self.draft_batch([state], [anchor_token_id], [anchor_pos], block_size)[0]
-
-    def check_batch(
-        self,
-        states: Sequence[DFlashState],
-        anchor_token_ids: Sequence[int],
-        anchor_positions: Sequence[int],
-        block_size: int | None = None,
-        held: Sequence[int] | None = None,
-    ) -> int:
-        """Validate one draft call (desync, vocab, duplicates); returns the block length T.
-        held: the context each state will hold when the block runs (default its n_ctx; the
-        draft graphs write a step's context rows first)."""
-        cfg = self.config
-        t = cfg.block_size if block_size is None else block_size
-        if not 2 <= t <= cfg.block_size:
-            # A drafter trained at B can run at a smaller block, never a larger one.
-            raise ValueError(f"block_size must be in [2, {cfg.block_size}], got {t}")
-        if not (len(states) == len(anchor_token_ids) == len(anchor_positions)) or not states:
-            raise ValueError("draft_batch needs one anchor token and position per state (N >= 1)")
-        if held is None:
-            held = [s.n_ctx for s in states]
-        self._check_states(states)
-        for tok, pos, n in zip(anchor_token_ids, anchor_positions, held, strict=True):
-            if pos != n:
-                raise DFlashDesyncError(
-                    f"draft desync: anchor at position {pos} but the drafter holds "
-                    f"{n} context tokens (the anchor must follow the context)"
-                )
-            if not 0 <= int(tok) < cfg.vocab_size:
-                raise ValueError(f"anchor token {tok} outside the vocab [0, {cfg.vocab_size})")
-        if len({id(s) for s in states}) != len(states):
-            raise ValueError("draft_batch got the same state twice")
-        return t
 
     def block_inputs(
         self, anchor_token_ids: Sequence[int], anchor_positions: Sequence[int], t: int
@@ -317,7 +257,7 @@ class DFlashDrafter(nn.Module):
         """One forward pass for N requests -> logits [N, block_size - 1, V]. With a
         DraftKVPool holding every state, attention is one call per layer for all of them;
         otherwise one per request per layer."""
-        t = self.check_batch(states, anchor_token_ids, anchor_positions, block_size)
+        t = check_batch(self, states, anchor_token_ids, anchor_positions, block_size)
         dev = self.fc.weight.device
         ids, pos = (x.to(dev) for x in self.block_inputs(anchor_token_ids, anchor_positions, t))
         slots = None if pool is None else pool.slots_of(states)

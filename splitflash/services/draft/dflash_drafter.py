@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitflash.models.dflash import DFlashDesyncError, DFlashDrafter, DFlashState
+from splitflash.models.dflash.checks import check_features
 from splitflash.models.dflash.config import SLIDING
 from splitflash.models.dflash.graphs import DraftGraphs
 from splitflash.models.dflash.model import joined_rows
@@ -123,7 +124,7 @@ class DFlashProposer:
                 f"features of {request_id!r} start at position {start_pos} but the drafter "
                 f"holds {st.held} context tokens (expected start_pos == {st.held})"
             )
-        self.drafter.check_features(features)
+        check_features(self.drafter, features)
         device = self.drafter.fc.weight.device
         if device.type == "cuda" and features.device != device and features.shape[0] <= STAGE_ROWS:
             # A step's rows go to the GPU now, asynchronously from pinned memory (the caching
