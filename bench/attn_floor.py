@@ -99,8 +99,8 @@ def _attention_rows(k, v, table, kv_len: int, chain: int, reps: int,
     import torch
 
     from bench.verify_step import kernel_profile
+    from splitflash.kernels.kv_splits import plan_launch
     from splitflash.kernels.paged_attention import paged_attention_triton
-    from splitflash.kernels.tuning import plan_launch
 
     rows = []
     for q_len, config in itertools.product((16, 1), configs):

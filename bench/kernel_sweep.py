@@ -1,5 +1,5 @@
 """Config x split sweep of the paged verify kernel (issue 5): which (BLOCK_N, warps, stages)
-and `waves` (programs per SM, tuning.plan_splits) stream K/V closest to copy speed. Batch
+and `waves` (programs per SM, kv_splits.plan_splits) stream K/V closest to copy speed. Batch
 1/8 x kv 32k/128k x q_len 16/64 (bf16, H 32, H_KV 8, D 128, page 16), every candidate config
 at the split counts of waves 1/2/4/8, plus "auto" (autotuned, default waves) and a q_len 1
 control. GPU time in a CUDA graph; frac = (K/V bytes / time) / copy GB/s of the same run.
@@ -62,7 +62,7 @@ def _inputs(batch, kv_len, q_len, shape, dtype, cuda, layout="head"):
 def plan_rows(point, configs, waves, shape, device, with_auto, q1_waves=False):
     """Rows to time at one point: one per (config, distinct split count); 'auto' last.
     q_len 1 keeps the legacy split rule unless q1_waves (--waves given)."""
-    from splitflash.kernels.tuning import plan_launch
+    from splitflash.kernels.kv_splits import plan_launch
 
     batch, kv_len, q_len = point
     group = shape["heads"] // shape["kv_heads"]

@@ -25,6 +25,7 @@ from splitflash.kernels.draft_attention_ref import (
     context_reads,
     context_span,
 )
+from splitflash.kernels.kv_splits import plan_splits
 from splitflash.kernels.online_softmax import attend_tile
 from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
@@ -37,7 +38,6 @@ from splitflash.kernels.tuning import (
     interpreter_active,
     kv_bucket,
     next_pow2,
-    plan_splits,
 )
 
 _LOG2E = 1.4426950408889634

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splitflash.kernels.kv_splits import SPLIT_ALIGN, plan_launch
 from splitflash.kernels.online_softmax import attend_tile, attend_tile_full
 from splitflash.kernels.paged_attention_ref import MAX_Q_LEN, RopeWrite, check_paged_inputs
 from splitflash.kernels.paged_tiles import LOG2E, load_kv_full, load_kv_tile, page_ids, visible_keys
@@ -28,14 +29,12 @@ from splitflash.kernels.pdl import pdl_enabled
 from splitflash.kernels.rope_rows import block_kv_from_rows, rope_kernel_args, rope_rows
 from splitflash.kernels.split_combine import combine_splits
 from splitflash.kernels.tuning import (
-    SPLIT_ALIGN,
     autotune_prune,
     autotuned,
     config_set_for,
     interpreter_active,
     kv_bucket,
     next_pow2,
-    plan_launch,
     q_bucket,
 )
 

@@ -14,11 +14,10 @@ REASONED FROM THE HARDWARE, NOT MEASURED: no Blackwell GPU was available. Reason
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 
 # (BLOCK_N, num_warps, num_stages): BLOCK_N = keys per inner-loop tile.
-_TileConfig = tuple[int, int, int]
+TileConfig = tuple[int, int, int]
 
 # Hopper (sm_90, 228 KiB smem/SM, 64K registers/SM). One K+V stage is BLOCK_N * D * 4 bytes
 # (32 KiB at BLOCK_N 64, D 128, bf16). Offline sm_90a compiles of the paged kernel with
@@ -31,7 +30,7 @@ _TileConfig = tuple[int, int, int]
 #   BLOCK_N 128 spills at 4 warps and needs 208-224 KiB at 8: left out.
 # num_stages s keeps s - 1 K/V tiles in flight per program (s = 2: load, then wait for it).
 # (64, 4, 2) stays first: draft_attention launches the first entry when it must not autotune.
-HOPPER_CONFIGS: tuple[_TileConfig, ...] = (
+HOPPER_CONFIGS: tuple[TileConfig, ...] = (
     (64, 4, 2),
     (64, 4, 3),
     (64, 4, 4),
@@ -49,7 +48,7 @@ HOPPER_CONFIGS: tuple[_TileConfig, ...] = (
 WIDE_N_MAX_HEAD_DIM = 64
 
 # Reasoned from the hardware, not measured (see module docstring).
-BLACKWELL_DC_CONFIGS: tuple[_TileConfig, ...] = (
+BLACKWELL_DC_CONFIGS: tuple[TileConfig, ...] = (
     (64, 4, 3),
     (128, 4, 3),
     (128, 8, 4),
@@ -57,7 +56,7 @@ BLACKWELL_DC_CONFIGS: tuple[_TileConfig, ...] = (
 )
 
 # Reasoned from the hardware, not measured (see module docstring): ~100 KiB smem per SM.
-BLACKWELL_RTX_CONFIGS: tuple[_TileConfig, ...] = (
+BLACKWELL_RTX_CONFIGS: tuple[TileConfig, ...] = (
     (32, 4, 2),
     (64, 4, 2),
     (64, 4, 3),
@@ -65,21 +64,17 @@ BLACKWELL_RTX_CONFIGS: tuple[_TileConfig, ...] = (
 )
 
 # Anything else (Ampere, Ada, unknown): a small safe set.
-GENERIC_CONFIGS: tuple[_TileConfig, ...] = ((64, 4, 2), (32, 4, 2))
+GENERIC_CONFIGS: tuple[TileConfig, ...] = ((64, 4, 2), (32, 4, 2))
 
 # The interpreter runs one program at a time in numpy: one config, no autotuning.
-INTERPRETER_CONFIG: _TileConfig = (32, 1, 1)
-
-# Keys per split are a multiple of this, so every tile config divides a split evenly
-# except at the very end of a request.
-SPLIT_ALIGN = 128
+INTERPRETER_CONFIG: TileConfig = (32, 1, 1)
 
 
 def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-CONFIG_SETS: dict[str, tuple[_TileConfig, ...]] = {
+CONFIG_SETS: dict[str, tuple[TileConfig, ...]] = {
     "hopper": HOPPER_CONFIGS,
     "blackwell_dc": BLACKWELL_DC_CONFIGS,
     "blackwell_rtx": BLACKWELL_RTX_CONFIGS,
@@ -159,23 +154,6 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-@dataclass(frozen=True)
-class SplitPlan:
-    num_splits: int  # programs along the KV axis per (request, kv head, row tile)
-    split_len: int  # keys per split, a multiple of SPLIT_ALIGN
-
-
-# Default `waves` (programs per SM, see plan_splits) by tile, measured on the H200
-# (bench/results/kernel_sweep_h200_quick.json, G 4, D 128, bf16):
-# - q 1 (16-row tiles): None = the legacy rule, 0.93-0.97 of copy bandwidth.
-# - 64-row tiles (q 2..16, and q up to 64 while q * G < 128 rows): 2. The 64-row configs fit
-#   2 programs per SM, so the launch is one resident wave with no tail: 0.67-0.95 of copy
-#   against 0.62-0.84 at 1 and 0.55-0.94 at 4 (q 16); at q 64, 0.31 against 0.21 at 1.
-# - 128-row tiles (8 warps): 1. One 256-thread program per SM: 0.30-0.31 of copy at q 64.
-WAVES_Q1: float | None = None
-WAVES_64_ROWS = 2.0
-WAVES_128_ROWS = 1.0
-
 # Measured picks that replace autotuning, per config set and q_len bucket (a q_len takes the
 # smallest bucket >= it). With a pick for every bucket a serving process never autotunes:
 # autotuning inside a live step stalled it for ~1.1 s (9 configs timed; the first step of a
@@ -191,16 +169,16 @@ WAVES_128_ROWS = 1.0
 #   runs and takes the q 16 pick (8 warps on 64 rows lost: 0.50-0.64 against 0.67-0.92).
 # At heads of <= WIDE_N_MAX_HEAD_DIM dims (the default model's 64), 128-key tiles: 38.2 vs
 # 41.4 us (q 1) and 41.2 vs 43.6 us (q 16) per 185k-key launch (bench.attn_floor --configs).
-MEASURED_PICKS: dict[str, dict[int, _TileConfig]] = {
+MEASURED_PICKS: dict[str, dict[int, TileConfig]] = {
     "hopper": {1: (64, 4, 3), 16: (64, 4, 3), 64: (64, 8, 3)},
 }
-MEASURED_PICKS_NARROW_HEADS: dict[str, dict[int, _TileConfig]] = {
+MEASURED_PICKS_NARROW_HEADS: dict[str, dict[int, TileConfig]] = {
     "hopper": {1: (128, 4, 3), 16: (128, 4, 3), 64: (64, 8, 3)},
 }
 
 
 def measured_pick(capability: tuple[int, int], max_q_len: int, head_dim: int | None,
-                  rows: int | None = None) -> _TileConfig | None:  # fmt: skip
+                  rows: int | None = None) -> TileConfig | None:  # fmt: skip
     """The measured config replacing autotuning for this GPU, q_len and head dim, if any.
     rows (q_len * G): a wide-tile (8-warp) pick applies only at >= WIDE_M_MIN_ROWS rows;
     below, the launch tiles 64 rows and takes the next smaller bucket's pick."""
@@ -228,109 +206,11 @@ def measured_pick(capability: tuple[int, int], max_q_len: int, head_dim: int | N
 # (128, 4, 3) wins at 185k but is 1.17x in the window that two of three layers read.
 # Wider heads: (64, 4, 3), REASONED from the paged kernel's D 128 sweeps (the same loop),
 # not measured for the drafter: (64, 4, 4) needs 128 KiB there, one program per SM.
-MEASURED_DRAFT_PICKS: dict[str, _TileConfig] = {"hopper": (64, 4, 4)}
-DRAFT_PICKS_WIDE_HEADS: dict[str, _TileConfig] = {"hopper": (64, 4, 3)}
+MEASURED_DRAFT_PICKS: dict[str, TileConfig] = {"hopper": (64, 4, 4)}
+DRAFT_PICKS_WIDE_HEADS: dict[str, TileConfig] = {"hopper": (64, 4, 3)}
 
 
-def draft_pick(capability: tuple[int, int], head_dim: int) -> _TileConfig | None:
+def draft_pick(capability: tuple[int, int], head_dim: int) -> TileConfig | None:
     """The draft-attention config for this GPU and head dim, or None (autotune)."""
     picks = MEASURED_DRAFT_PICKS if head_dim <= WIDE_N_MAX_HEAD_DIM else DRAFT_PICKS_WIDE_HEADS
     return picks.get(config_set_for(capability))
-
-
-def default_waves(max_q_len: int, block_m: int) -> float | None:
-    """Programs per SM for a launch of this q_len and row tile (see WAVES_*)."""
-    if max_q_len <= 1:
-        return WAVES_Q1
-    return WAVES_128_ROWS if block_m >= WIDE_M_MIN_ROWS else WAVES_64_ROWS
-
-
-def plan_splits(
-    max_kv_len: int,
-    base_programs: int,
-    sm_count: int,
-    num_splits: int | None = None,
-    waves: float | None = None,
-) -> SplitPlan:
-    """Choose how many KV splits to launch.
-
-    Decode has few (request, head) programs and long KV: without splitting, a handful of SMs
-    would stream all the KV while the rest idle. Never split below SPLIT_ALIGN keys (the
-    combine pass would cost more than it saves). num_splits (if given) wins; else
-    - waves None (default): the legacy rule, ~2 programs per SM rounded UP (used by the
-      drafter and q_len 1, measured there);
-    - waves w: at most w programs per SM (rounded DOWN, at least one split), so when w
-      programs fit on an SM at once the whole launch is one wave with no tail.
-    """
-    max_kv_len = max(1, int(max_kv_len))
-    max_splits = -(-max_kv_len // SPLIT_ALIGN)
-    base_programs = max(1, int(base_programs))
-    if num_splits is None:
-        if waves is None:
-            num_splits = -(-2 * sm_count // base_programs)
-        else:
-            num_splits = int(float(waves) * sm_count // base_programs)
-    num_splits = max(1, min(int(num_splits), max_splits))
-    split_len = -(-max_kv_len // num_splits)
-    split_len = -(-split_len // SPLIT_ALIGN) * SPLIT_ALIGN
-    return SplitPlan(num_splits=-(-max_kv_len // split_len), split_len=split_len)
-
-
-# Pretend SM count off-GPU, so interpreter runs exercise several splits.
-_INTERPRETER_SMS = 4
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    capability: tuple[int, int]  # (0, 0): interpreter / CPU
-    config: _TileConfig | None  # (BLOCK_N, warps, stages); None: autotune
-    block_m: int  # query rows per program
-    m_tiles: int  # row tiles per request
-    splits: SplitPlan
-
-
-def env_config() -> _TileConfig | None:
-    """SPLITFLASH_KERNEL_CONFIG=BLOCK_N,warps,stages: one tile config instead of autotuning
-    (one compile per shape: for time-boxed GPU runs). Unset: autotune."""
-    text = os.environ.get("SPLITFLASH_KERNEL_CONFIG", "").strip()
-    if not text:
-        return None
-    try:
-        block_n, warps, stages = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(
-            f"SPLITFLASH_KERNEL_CONFIG must be BLOCK_N,warps,stages (e.g. 64,4,3), got {text!r}"
-        ) from None
-    return block_n, warps, stages
-
-
-def plan_launch(
-    device, rows: int, max_q_len: int, n_req: int, n_kv_heads: int, max_kv_len: int, *,
-    config: _TileConfig | None = None, num_splits: int | None = None,
-    waves: float | None = None, head_dim: int | None = None,
-) -> LaunchPlan:  # fmt: skip
-    """Tile shape and split count of one paged-attention launch (device: a torch.device;
-    rows = max_q_len * G). paged_attention_triton's own planning, public so benchmarks label
-    what they time. waves None: default_waves. head_dim and rows pick measured configs."""
-    interp = interpreter_active()
-    if interp or device.type != "cuda":
-        cap, sm_count = (0, 0), _INTERPRETER_SMS
-    else:
-        cap, sm_count = device_facts(device.index or 0)
-    if config is None and interp:
-        config = INTERPRETER_CONFIG
-    if config is None:
-        config = env_config()
-    if config is None and not interp:
-        config = measured_pick(cap, max_q_len, head_dim, rows)
-    if config is not None:
-        config = tuple(config)
-        wide_ok = config[1] >= WIDE_M_MIN_WARPS
-    else:  # autotuning: autotune_prune keeps only 8-warp configs for 128-row tiles
-        wide_ok = config_set_for(cap) in WIDE_M_SETS
-    block_m = pick_block_m(rows, wide_ok)
-    m_tiles = -(-rows // block_m)
-    if waves is None:
-        waves = default_waves(max_q_len, block_m)
-    splits = plan_splits(max_kv_len, n_req * m_tiles * n_kv_heads, sm_count, num_splits, waves)
-    return LaunchPlan(cap, config, block_m, m_tiles, splits)

@@ -13,16 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitflash.kernels.tuning import (
-    SPLIT_ALIGN,
-    autotune_prune,
-    default_waves,
-    draft_pick,
-    measured_pick,
-    pick_block_m,
-    plan_launch,
-    plan_splits,
-)
+from splitflash.kernels.kv_splits import SPLIT_ALIGN, default_waves, plan_launch, plan_splits
+from splitflash.kernels.tuning import autotune_prune, draft_pick, measured_pick, pick_block_m
 from tests.unit.kernel_env import needs_triton
 from tests.unit.test_kernels_paged import check_against_oracle, make_case
 

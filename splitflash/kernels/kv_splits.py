@@ -1,0 +1,141 @@
+"""How one paged-attention launch splits the KV axis (flash-decoding) and tiles its rows:
+the split-count rule, the default programs per SM by tile, and `plan_launch`, which the
+kernel and the benchmarks share so a timing is labelled with what ran."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from splitflash.kernels.tuning import (
+    INTERPRETER_CONFIG,
+    WIDE_M_MIN_ROWS,
+    WIDE_M_MIN_WARPS,
+    WIDE_M_SETS,
+    TileConfig,
+    config_set_for,
+    device_facts,
+    interpreter_active,
+    measured_pick,
+    pick_block_m,
+)
+
+# Keys per split are a multiple of this, so every tile config divides a split evenly
+# except at the very end of a request.
+SPLIT_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    num_splits: int  # programs along the KV axis per (request, kv head, row tile)
+    split_len: int  # keys per split, a multiple of SPLIT_ALIGN
+
+
+# Default `waves` (programs per SM, see plan_splits) by tile, measured on the H200
+# (bench/results/kernel_sweep_h200_quick.json, G 4, D 128, bf16):
+# - q 1 (16-row tiles): None = the legacy rule, 0.93-0.97 of copy bandwidth.
+# - 64-row tiles (q 2..16, and q up to 64 while q * G < 128 rows): 2. The 64-row configs fit
+#   2 programs per SM, so the launch is one resident wave with no tail: 0.67-0.95 of copy
+#   against 0.62-0.84 at 1 and 0.55-0.94 at 4 (q 16); at q 64, 0.31 against 0.21 at 1.
+# - 128-row tiles (8 warps): 1. One 256-thread program per SM: 0.30-0.31 of copy at q 64.
+WAVES_Q1: float | None = None
+WAVES_64_ROWS = 2.0
+WAVES_128_ROWS = 1.0
+
+
+def default_waves(max_q_len: int, block_m: int) -> float | None:
+    """Programs per SM for a launch of this q_len and row tile (see WAVES_*)."""
+    if max_q_len <= 1:
+        return WAVES_Q1
+    return WAVES_128_ROWS if block_m >= WIDE_M_MIN_ROWS else WAVES_64_ROWS
+
+
+def plan_splits(
+    max_kv_len: int,
+    base_programs: int,
+    sm_count: int,
+    num_splits: int | None = None,
+    waves: float | None = None,
+) -> SplitPlan:
+    """Choose how many KV splits to launch.
+
+    Decode has few (request, head) programs and long KV: without splitting, a handful of SMs
+    would stream all the KV while the rest idle. Never split below SPLIT_ALIGN keys (the
+    combine pass would cost more than it saves). num_splits (if given) wins; else
+    - waves None (default): the legacy rule, ~2 programs per SM rounded UP (used by the
+      drafter and q_len 1, measured there);
+    - waves w: at most w programs per SM (rounded DOWN, at least one split), so when w
+      programs fit on an SM at once the whole launch is one wave with no tail.
+    """
+    max_kv_len = max(1, int(max_kv_len))
+    max_splits = -(-max_kv_len // SPLIT_ALIGN)
+    base_programs = max(1, int(base_programs))
+    if num_splits is None:
+        if waves is None:
+            num_splits = -(-2 * sm_count // base_programs)
+        else:
+            num_splits = int(float(waves) * sm_count // base_programs)
+    num_splits = max(1, min(int(num_splits), max_splits))
+    split_len = -(-max_kv_len // num_splits)
+    split_len = -(-split_len // SPLIT_ALIGN) * SPLIT_ALIGN
+    return SplitPlan(num_splits=-(-max_kv_len // split_len), split_len=split_len)
+
+
+# Pretend SM count off-GPU, so interpreter runs exercise several splits.
+_INTERPRETER_SMS = 4
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    capability: tuple[int, int]  # (0, 0): interpreter / CPU
+    config: TileConfig | None  # (BLOCK_N, warps, stages); None: autotune
+    block_m: int  # query rows per program
+    m_tiles: int  # row tiles per request
+    splits: SplitPlan
+
+
+def env_config() -> TileConfig | None:
+    """SPLITFLASH_KERNEL_CONFIG=BLOCK_N,warps,stages: one tile config instead of autotuning
+    (one compile per shape: for time-boxed GPU runs). Unset: autotune."""
+    text = os.environ.get("SPLITFLASH_KERNEL_CONFIG", "").strip()
+    if not text:
+        return None
+    try:
+        block_n, warps, stages = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"SPLITFLASH_KERNEL_CONFIG must be BLOCK_N,warps,stages (e.g. 64,4,3), got {text!r}"
+        ) from None
+    return block_n, warps, stages
+
+
+def plan_launch(
+    device, rows: int, max_q_len: int, n_req: int, n_kv_heads: int, max_kv_len: int, *,
+    config: TileConfig | None = None, num_splits: int | None = None,
+    waves: float | None = None, head_dim: int | None = None,
+) -> LaunchPlan:  # fmt: skip
+    """Tile shape and split count of one paged-attention launch (device: a torch.device;
+    rows = max_q_len * G). paged_attention_triton's own planning, public so benchmarks label
+    what they time. waves None: default_waves. head_dim and rows pick measured configs."""
+    interp = interpreter_active()
+    if interp or device.type != "cuda":
+        cap, sm_count = (0, 0), _INTERPRETER_SMS
+    else:
+        cap, sm_count = device_facts(device.index or 0)
+    if config is None and interp:
+        config = INTERPRETER_CONFIG
+    if config is None:
+        config = env_config()
+    if config is None and not interp:
+        config = measured_pick(cap, max_q_len, head_dim, rows)
+    if config is not None:
+        config = tuple(config)
+        wide_ok = config[1] >= WIDE_M_MIN_WARPS
+    else:  # autotuning: autotune_prune keeps only 8-warp configs for 128-row tiles
+        wide_ok = config_set_for(cap) in WIDE_M_SETS
+    block_m = pick_block_m(rows, wide_ok)
+    m_tiles = -(-rows // block_m)
+    if waves is None:
+        waves = default_waves(max_q_len, block_m)
+    splits = plan_splits(max_kv_len, n_req * m_tiles * n_kv_heads, sm_count, num_splits, waves)
+    return LaunchPlan(cap, config, block_m, m_tiles, splits)
