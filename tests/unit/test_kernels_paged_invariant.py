@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitflash.kernels import paged_attention_invariant as inv
+from splitflash.kernels import split_combine
 from splitflash.kernels.paged_attention_invariant import (
     GRANULE,
     GRANULE_LARGE,
@@ -118,7 +118,7 @@ def test_matches_fp64_oracle(case, dtype):
 def test_combine_over_several_chunks_matches_fp64_oracle(monkeypatch):
     """The combine's chunks (in order, each a fixed-shape sum): 17 granules in chunks of 16
     here (the shipped chunk at D 64 is 64 granules: 185k keys take three)."""
-    monkeypatch.setattr(inv, "COMBINE_ELEMS", 16 * 32)  # 16 granules per chunk at D 32
+    monkeypatch.setattr(split_combine, "COMBINE_ELEMS", 16 * 32)  # 16 granules per chunk at D 32
     c = make_case([SMALL_SPAN + 100, 40], [16, 3], 4, 2, 32, 16, torch.float32, seed=5)
     assert granule_count(SMALL_SPAN + 100) == 17
     want = dense_oracle(c)
