@@ -92,7 +92,7 @@ def _steps(name: str, m: int, invariant: bool = False, cold: bool = False):
         return ws[next(turn) % copies]
 
     if kind != "res":  # fold the norm weight into every copy now, not inside a capture
-        from splitflash.kernels.fused_linear import fold_norm_weight
+        from splitflash.kernels.fused_linear_ref import fold_norm_weight
 
         for copy in ws:
             fold_norm_weight(copy, nw)

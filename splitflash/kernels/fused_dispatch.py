@@ -100,7 +100,7 @@ def _fused_linear_ok(
     """(run the fused small-M linear kernel?, why): Triton's rule, few rows, no autograd.
     any_rows: however many rows (batch-invariant steps: a row's K loop and tile are then
     the same whatever M, where cuBLAS picks its kernel, split-K included, by M)."""
-    from splitflash.kernels.fused_linear import MAX_K, MAX_M, fits
+    from splitflash.kernels.fused_linear_ref import MAX_K, MAX_M, fits
 
     triton_ok, reason = use_triton(x)
     if not triton_ok:

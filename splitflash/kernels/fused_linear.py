@@ -1,5 +1,5 @@
 """Linear layers of few rows fused with their neighbours: RMSNorm before (+ SwiGLU after), or
-the residual add after. Torch references and Triton kernels with one contract.
+the residual add after: the Triton kernels of the contract in kernels/fused_linear_ref.py.
 
 Why: a verify step runs every linear layer on M = B * Q rows (16 for one request's block).
 On the H200 the cuBLAS GEMMs of the default model took ~3.7 us each at M = 16 for 0.3-1.8 MB
@@ -29,11 +29,10 @@ match the model to rounding, not bit for bit (the tests hold them to the fp64 ru
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from splitflash.kernels.fused_norm import rms_norm_ref
+from splitflash.kernels.fused_linear_ref import MAX_K, check_linear, fits, fold_norm_weight
 from splitflash.kernels.linear_tiles import (
     BLOCK_M,
     INVARIANT_NORM_CHUNK,
@@ -43,7 +42,6 @@ from splitflash.kernels.linear_tiles import (
 )
 from splitflash.kernels.online_softmax import dot_nt
 from splitflash.kernels.pdl import gdc_sync, pdl_launch, prefetch_l2
-from splitflash.kernels.silu_mul import silu_mul_ref
 from splitflash.kernels.split_k import (
     arrival_counters,
     arrive,
@@ -52,54 +50,6 @@ from splitflash.kernels.split_k import (
     workspace,
 )
 from splitflash.kernels.tuning import interpreter_active, next_pow2
-
-MAX_M = 256  # rows the fast path gives these kernels (bench.linear_sweep --compare); above, cuBLAS
-# K of the models measured (hidden / MLP width <= 2048): a program (or a split of the K axis)
-# walks its K in one loop, so much wider layers would be better served by cuBLAS.
-MAX_K = 2048
-
-
-def _check(x: torch.Tensor, weight: torch.Tensor, out_cols: int | None = None) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(
-            f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
-        )
-    if out_cols is not None and weight.shape[0] != 2 * out_cols:
-        raise ValueError(f"SwiGLU weight must be [2 * {out_cols}, K], got {tuple(weight.shape)}")
-
-
-def fits(x: torch.Tensor, weight: torch.Tensor, any_rows: bool = False) -> bool:
-    """Do these kernels take this product (M <= MAX_M, K <= MAX_K, unit stride along K)?
-    any_rows: any M >= 1 (they are correct for any; MAX_M is where cuBLAS gets faster)."""
-    return (
-        x.dim() == 2 and x.shape[0] >= 1 and (any_rows or x.shape[0] <= MAX_M)
-        and x.shape[1] <= MAX_K and x.stride(1) == 1 and weight.stride(1) == 1
-    )  # fmt: skip
-
-
-# --- references: the model's own op sequence --------------------------------------------
-
-
-def norm_linear_ref(
-    x: torch.Tensor,  # [M, K]
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    weight: torch.Tensor,  # [N, K]; SwiGLU: [2I, K] (gate rows, then up rows)
-    swiglu_hidden: int | None = None,  # I: return silu(gate) * up [M, I]
-) -> torch.Tensor:  # [M, N] or [M, I]
-    _check(x, weight, swiglu_hidden)
-    y = F.linear(rms_norm_ref(x, norm_weight, eps), weight)
-    return y if swiglu_hidden is None else silu_mul_ref(y, swiglu_hidden)
-
-
-def linear_residual_ref(
-    a: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K]
-    residual: torch.Tensor,  # [M, N]
-) -> torch.Tensor:  # residual + a @ weight.T, [M, N]
-    _check(a, weight)
-    return residual + F.linear(a, weight)
-
 
 # --- kernels ------------------------------------------------------------------------------
 
@@ -245,26 +195,6 @@ def _linear_residual_kernel(
     tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], y.to(oty), mask=mask)
 
 
-def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] with its columns scaled by the RMSNorm weight [K], rounded once to
-    weight's dtype: rmsnorm(x) * nw @ W.T = (x @ (W * nw).T) * rsqrt(mean(x^2) + eps). Cached
-    on `weight` itself (it lives and dies with the parameter; a CUDA graph captured after the
-    first call reuses the same tensor) until either tensor is modified or replaced. The cost
-    is a second copy of those weights on the device (qkv and gate_up: 140 MB of the default
-    model's 270 MB in bf16)."""
-    try:
-        # data_ptr: `model.to(...)` swaps a parameter's data under the same Python object.
-        key = (weight.data_ptr(), norm_weight.data_ptr(), weight._version, norm_weight._version)
-    except RuntimeError:  # inference tensors keep no version counter: fold every call
-        return (weight.float() * norm_weight.float()).to(weight.dtype)
-    hit = getattr(weight, "_splitflash_folded", None)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    folded = (weight.float() * norm_weight.float()).to(weight.dtype).contiguous()
-    weight._splitflash_folded = (key, folded)
-    return folded
-
-
 def _split_buffers(launch: LinearLaunch, planes: int, m: int, n: int,
                    out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(partials workspace, arrival counters) of a split launch; `out` stands in for both
@@ -292,7 +222,7 @@ def norm_linear_triton(
     split_k: int | None = None,  # K splits at most, 0: auto; None: SPLITFLASH_LINEAR_SPLIT_K
 ) -> torch.Tensor:  # [M, N] or [M, I], x's dtype
     """Same contract as norm_linear_ref, for inputs that `fits`."""
-    _check(x, weight, swiglu_hidden)
+    check_linear(x, weight, swiglu_hidden)
     if not fits(x, weight, any_rows=True) or norm_weight.shape != (x.shape[1],):
         raise ValueError(f"norm_linear_triton takes K <= {MAX_K} with unit "
                          f"stride along K; got x {tuple(x.shape)} stride {x.stride()}")  # fmt: skip
@@ -322,7 +252,7 @@ def linear_residual_triton(
     split_k: int | None = None,  # K splits at most, 0: auto; None: SPLITFLASH_LINEAR_SPLIT_K
 ) -> torch.Tensor:  # residual + a @ weight.T, [M, N]
     """Same contract as linear_residual_ref, for inputs that `fits`."""
-    _check(a, weight)
+    check_linear(a, weight)
     m, k = a.shape
     n = weight.shape[0]
     if not fits(a, weight, any_rows=True) or residual.shape != (m, n) or residual.stride(1) != 1:

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from splitflash.kernels.fused_linear import (
+from splitflash.kernels.fused_linear_ref import (
     MAX_K,
     MAX_M,
     fits,
@@ -243,7 +243,7 @@ def test_target_forward_through_every_kernel_matches_reference_path(monkeypatch,
 
 
 def test_folded_norm_weight_is_cached_until_a_weight_changes():
-    from splitflash.kernels.fused_linear import fold_norm_weight
+    from splitflash.kernels.fused_linear_ref import fold_norm_weight
 
     _, norm_w, w, _ = (t.cpu() for t in make_case(4, 64, 96, torch.float16))
     w, norm_w = w.clone(), norm_w.clone()
