@@ -9,21 +9,43 @@ kernel torch picks for a square causal prompt (bench/RESULTS.md "Session 32": 14
 against the cached keys (no mask) and against its own keys (square causal); their outputs
 merge exactly through the two log-sum-exps.
 
-SPLITFLASH_PREFILL_SPLIT_ATTENTION=1 turns it on: the CUDA path (cuDNN's private op, which
-returns the log-sum-exp) is not measured yet; the CPU path is checked against the mask.
+Measured on an H100 (bench/RESULTS.md "Session 33"): one layer at 185k keys 94 ms split
+against 142 masked (84 whole); a 185k prompt in chunks of 8192 3.37 s against 4.85 (2.76
+whole). SPLITFLASH_PREFILL_SPLIT_ATTENTION: unset (auto) splits on CUDA in bf16 / fp16 with
+heads of <= 128 dims (cuDNN's shapes), and masks otherwise (the CPU's split is correct but
+not measured faster); 1 splits everywhere a split can run (tests), 0 never. If cuDNN
+(or the CPU kernel) raises, the process logs it once and masks from then on.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+log = logging.getLogger(__name__)
 
-def split_enabled() -> bool:
-    return os.environ.get("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "0") == "1"
+_CUDNN_DTYPES = (torch.bfloat16, torch.float16)
+_CUDNN_MAX_HEAD_DIM = 128
+_split_refused = False  # set once a split call raised: every later chunk takes the mask
+
+
+def split_chosen(q: torch.Tensor) -> bool:
+    """Whether a chunk's attention of this q [1, H, c, D] is split (see module docstring)."""
+    mode = os.environ.get("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "").strip()
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"SPLITFLASH_PREFILL_SPLIT_ATTENTION must be 0, 1 or unset, got {mode!r}")
+    if mode == "0" or _split_refused or (q.is_cuda and not _cudnn_shape(q)):
+        return False
+    return mode == "1" or q.is_cuda
+
+
+def _cudnn_shape(q: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return q.dtype in _CUDNN_DTYPES and d <= _CUDNN_MAX_HEAD_DIM and d % 8 == 0
 
 
 def _attend_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +75,17 @@ def chunk_attention_split(q, k, v, scale) -> torch.Tensor:
 
 
 def chunk_attention(q, k, v, scale) -> torch.Tensor:
-    """The chunk's attention: split (when enabled and there are cached keys) or masked."""
+    """The chunk's attention: split (when chosen and there are cached keys) or masked."""
+    global _split_refused
     c, length = q.shape[2], k.shape[2]
     if c == length:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if split_enabled():
-        return chunk_attention_split(q, k, v, scale)
+    if split_chosen(q):
+        try:
+            return chunk_attention_split(q, k, v, scale)
+        except RuntimeError as err:  # e.g. a cuDNN build or GPU without this graph
+            _split_refused = True
+            log.warning("prefill chunks: the split attention raised (%s); masked SDPA "
+                        "from now on", err)  # fmt: skip
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, length),
                                           scale=scale)  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+import splitflash.models.chunk_attention as mod
 from splitflash.models.chunk_attention import chunk_attention, chunk_attention_split
 from splitflash.services.verify.sampling import Sampling
 from tests.conftest import tiny_engine, tiny_model
@@ -37,21 +38,54 @@ def test_the_split_chunk_equals_the_masked_chunk(chunk, cached):
     assert (got.double() - want).abs().max() <= bound
 
 
-def test_the_switch_picks_the_split_only_for_a_chunk_after_cached_keys(monkeypatch):
+def _spy_split(monkeypatch, fail: bool = False) -> list:
+    """Record (or fail) the calls that reach chunk_attention_split; the masked path stays."""
     calls = []
-    import splitflash.models.chunk_attention as mod
 
-    monkeypatch.setattr(mod, "chunk_attention_split", lambda *a: calls.append(a) or a[0])
+    def split(*args):
+        calls.append(args)
+        if fail:
+            raise RuntimeError("no cuDNN graph for this shape")
+        return args[0]
+
+    monkeypatch.setattr(mod, "chunk_attention_split", split)
+    monkeypatch.setattr(mod, "_split_refused", False)
+    return calls
+
+
+def test_the_switch_picks_the_split_only_for_a_chunk_after_cached_keys(monkeypatch):
+    calls = _spy_split(monkeypatch)
     q, k, v = _case(5, 0)
-    chunk_attention(q, k, v, None)  # the whole prompt: square causal, never split
     monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "1")
-    chunk_attention(q, k, v, None)
+    chunk_attention(q, k, v, None)  # the whole prompt: square causal, never split
     assert not calls
     q, k, v = _case(5, 9)
     chunk_attention(q, k, v, None)
     assert len(calls) == 1
-    monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "0")
-    torch.testing.assert_close(chunk_attention(q, k, v, None), _masked(q, k, v))
+    for mode in ("0", ""):  # off, and auto (which splits on CUDA only)
+        monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", mode)
+        torch.testing.assert_close(chunk_attention(q, k, v, None), _masked(q, k, v))
+    assert len(calls) == 1
+
+
+def test_a_bad_switch_value_is_named(monkeypatch):
+    monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "yes")
+    q, k, v = _case(5, 9)
+    with pytest.raises(ValueError, match="SPLITFLASH_PREFILL_SPLIT_ATTENTION must be 0, 1"):
+        chunk_attention(q, k, v, None)
+
+
+def test_a_split_that_raises_is_logged_once_and_masked_from_then_on(monkeypatch, caplog):
+    calls = _spy_split(monkeypatch, fail=True)
+    monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "1")
+    q, k, v = _case(7, 13)
+    with caplog.at_level("WARNING", logger=mod.__name__):
+        first = chunk_attention(q, k, v, None)
+        second = chunk_attention(q, k, v, None)
+    torch.testing.assert_close(first, _masked(q, k, v))
+    torch.testing.assert_close(second, _masked(q, k, v))
+    assert len(calls) == 1  # refused once: the second chunk never tried
+    assert [r.message for r in caplog.records if "split attention raised" in r.message]
 
 
 def test_a_prompt_prefilled_through_split_chunks_leaves_what_one_forward_leaves(monkeypatch):
@@ -71,9 +105,24 @@ def test_a_prompt_prefilled_through_split_chunks_leaves_what_one_forward_leaves(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("chunk", "cached"), [(65, 3), (512, 4097), (2048, 30000)])
 def test_the_split_chunk_on_the_gpu_in_bf16(chunk, cached):
-    """The CUDA path (cuDNN's op and its log-sum-exp): not measured before it was written."""
+    """The CUDA path: cuDNN's op and its log-sum-exp."""
     q, k, v = _case(chunk, cached, "cuda", torch.bfloat16, heads=9, dim=64)
     want = _masked(q.float(), k.float(), v.float())
     got = chunk_attention_split(q, k, v, None).float()
     low = _masked(q, k, v).float()
     assert (got - want).abs().max() <= 2 * (low - want).abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_splits_cudnn_shapes_on_the_gpu_and_masks_the_others(monkeypatch):
+    monkeypatch.delenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", raising=False)
+    calls = _spy_split(monkeypatch)
+    for dtype, dim, splits in ((torch.bfloat16, 64, 1), (torch.float32, 64, 0),
+                               (torch.float16, 256, 0)):  # fmt: skip
+        q, k, v = _case(16, 40, "cuda", dtype, heads=2, dim=dim)
+        got = chunk_attention(q, k, v, None)
+        if splits == 0:
+            torch.testing.assert_close(got, _masked(q, k, v))
+        assert len(calls) == splits, (dtype, dim)
+        calls.clear()
