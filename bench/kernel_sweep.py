@@ -37,7 +37,7 @@ def _elapsed() -> float:
     return time.monotonic() - T0
 
 
-def _inputs(batch, kv_len, q_len, shape, dtype, cuda, layout="head"):
+def _inputs(batch, kv_len, q_len, shape, dtype, cuda, layout="head", seed=0):
     """(q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits) as bench.kernels builds
     them; on CPU (smoke) the same layout, built here."""
     import torch
@@ -45,7 +45,7 @@ def _inputs(batch, kv_len, q_len, shape, dtype, cuda, layout="head"):
     if cuda:
         from bench.kernels import _paged_inputs
 
-        gen = torch.Generator(device="cuda").manual_seed(0)
+        gen = torch.Generator(device="cuda").manual_seed(seed)
         return _paged_inputs(batch, kv_len, q_len, shape["heads"], shape["kv_heads"],
                              shape["head_dim"], shape["page"], dtype, gen, layout)  # fmt: skip
     n_pp = -(-kv_len // shape["page"])
@@ -144,8 +144,10 @@ def precompile(jobs, workers, deadline):
     return notes
 
 
-def time_row(row, point, inputs, ref, scale, rep, cuda):
-    """Fill row with ms / error, or an 'error' note when it fails to compile or launch."""
+def time_row(row, point, copies, ref, scale, rep, cuda):
+    """Fill row with ms / error, or an 'error' note when it fails to compile or launch.
+    copies: input sets (bench.kernels.copies_for) one timed call runs in turn; ms is per set,
+    the error is the first set's against ref."""
     import importlib
 
     import torch
@@ -159,10 +161,11 @@ def time_row(row, point, inputs, ref, scale, rep, cuda):
             kw.update(num_splits=row["splits"])
 
     def fn():
-        return pa.paged_attention_triton(*inputs, scale, **kw)
+        for inputs in copies:
+            pa.paged_attention_triton(*inputs, scale, **kw)
 
     try:
-        out = fn()
+        out = pa.paged_attention_triton(*copies[0], scale, **kw)
         err = (out.float() - ref.float()).abs().max().item()
         row["max_err"], row["rel_err"] = err, err / max(ref.float().abs().max().item(), 1e-6)
         if cuda:
@@ -171,11 +174,11 @@ def time_row(row, point, inputs, ref, scale, rep, cuda):
             if row["config"] == "auto":
                 tuned = pa._tuned_kernel(pa.config_set_for(torch.cuda.get_device_capability()))
                 row["picked"] = str(getattr(tuned, "best_config", "a measured pick"))
-            row["ms"] = float(do_bench_cudagraph(fn, rep=rep))
+            row["ms"] = float(do_bench_cudagraph(fn, rep=rep)) / len(copies)
         else:
             t = time.perf_counter()
             fn()
-            row["ms"] = (time.perf_counter() - t) * 1e3
+            row["ms"] = (time.perf_counter() - t) * 1e3 / len(copies)
     except Exception as exc:  # noqa: BLE001 - a config that cannot run is a result too
         row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
 
@@ -226,7 +229,7 @@ def run(args) -> dict:
         print(f"[{_elapsed():5.1f}s] {n_rows} rows to time; compiling {len(jobs)} variants "
               f"in {workers} processes", flush=True)  # fmt: skip
         notes += precompile(jobs, workers, min(deadline * 0.6, _elapsed() + 60))
-    from bench.kernels import measure_copy_gbps
+    from bench.kernels import copies_for, measure_copy_gbps
 
     copy_gbps = measure_copy_gbps() if cuda else 1.0  # smoke: frac means nothing on CPU
     print(f"[{_elapsed():5.1f}s] copy {copy_gbps:.0f} GB/s", flush=True)
@@ -239,15 +242,18 @@ def run(args) -> dict:
             truncated = True
             break
         batch, kv_len, q_len = point
-        inputs = _inputs(batch, kv_len, q_len, shape, dtype, cuda, args.layout)
-        ref = paged_attention_ref(*inputs, scale)
         kv_bytes = 2 * batch * kv_len * shape["kv_heads"] * shape["head_dim"] * dtype.itemsize
+        n_copies = copies_for(kv_bytes, args.l2) if cuda else 1
+        copies = [_inputs(batch, kv_len, q_len, shape, dtype, cuda, args.layout, seed)
+                  for seed in range(n_copies)]  # fmt: skip
+        ref = paged_attention_ref(*copies[0], scale)
         for row in rows:
             if _elapsed() > deadline:
                 truncated = True
                 break
             row.update(batch=batch, kv_len=kv_len, q_len=q_len)
-            time_row(row, point, inputs, ref, scale, rep, cuda)
+            row["input_copies"] = n_copies
+            time_row(row, point, copies, ref, scale, rep, cuda)
             if "ms" in row:
                 row["gbps"] = kv_bytes / (row["ms"] * 1e-3) / 1e9
                 row["frac"] = row["gbps"] / copy_gbps
@@ -262,7 +268,7 @@ def run(args) -> dict:
         extra = f" | auto {auto['frac']:.2f}" if auto else ""
         print(f"[{_elapsed():5.1f}s] B={batch} kv={kv_len} q={q_len}: best {desc}{extra}",
               flush=True)  # fmt: skip
-        del inputs, ref
+        del copies, ref
         if cuda:
             torch.cuda.empty_cache()
     if truncated:
@@ -272,7 +278,7 @@ def run(args) -> dict:
               for r in all_rows if "error" in r or r.get("suspect")]  # fmt: skip
     device = torch.cuda.get_device_name() if cuda else "cpu (interpreter)"
     best = [dict(point=list(p), best=b, auto=a) for p, b, a in best_rows]
-    return dict(device=device, copy_gbps=copy_gbps, shape=shape, layout=args.layout,
+    return dict(device=device, copy_gbps=copy_gbps, shape=shape, layout=args.layout, l2=args.l2,
                 truncated=truncated,
                 notes=notes, elapsed_s=_elapsed(), rows=all_rows, best=best)  # fmt: skip
 
@@ -311,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         help="page storage: head-major (PagedKVCache's) or token-major",
     )
     ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)))
+    ap.add_argument(
+        "--l2",
+        default="cold",
+        choices=["cold", "warm"],
+        help="cold: rotate input copies past L2 (bench.kernels); warm: one copy",
+    )
     a = ap.parse_args(argv)
     if a.smoke and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise SystemExit("--smoke runs in the interpreter: set TRITON_INTERPRET=1")

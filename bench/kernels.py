@@ -5,7 +5,12 @@ For each (batch, kv_len, q_len) it times, side by side in one process:
 - torch SDPA on contiguous K/V with the equivalent mask (dense bool attn_mask for q_len > 1),
 - a device-to-device copy, as the attainable-bandwidth yardstick.
 Effective bandwidth = K/V bytes the attention must read / time. Times are GPU time inside a
-CUDA graph (*_ms); *_eager_ms adds the Python launch overhead. Usage:
+CUDA graph (*_ms); *_eager_ms adds the Python launch overhead. L2 "cold" (default): a point
+whose K/V is under L2_MULTIPLE x the L2 cache gets several copies of its inputs, run one
+after another in the timed graph and the time divided by their number, so each call reads
+its K/V from HBM as a verify step does (every layer has its own; at 8k keys, batch 1 the
+issue's shape holds 34 MB, under the 50 MB L2 of an H100 / H200). "warm": one copy,
+called again and again. Usage:
     python -m bench.kernels --out bench/kernels.json
 """
 
@@ -30,6 +35,33 @@ def _time_graph_ms(fn) -> float:
 
     fn()  # compile and autotune outside the capture
     return float(triton.testing.do_bench_cudagraph(fn, rep=100))
+
+
+L2_MULTIPLE = 4  # rotated bytes per timed call, in L2 sizes (METHOD: data several times L2)
+MAX_COPIES = 16
+
+
+def l2_bytes() -> int:
+    import torch
+
+    return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
+
+
+def copies_for(kv_bytes: int, l2: str) -> int:
+    """Input copies a timed call rotates through: enough to stream L2_MULTIPLE x L2 (cold)."""
+    if l2 == "warm":
+        return 1
+    return max(1, min(MAX_COPIES, -(-L2_MULTIPLE * l2_bytes() // max(1, kv_bytes))))
+
+
+def _rotated(fns):
+    """One callable running each of fns in turn (each on its own inputs)."""
+
+    def run_all():
+        for fn in fns:
+            fn()
+
+    return run_all
 
 
 def measure_copy_gbps(n_bytes: int = 1 << 31) -> float:
@@ -94,41 +126,45 @@ def _sdpa_case(q, k_pages, v_pages, page_table, batch, kv_len, q_len):
 
 
 def _bench_one(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, with_sdpa,
-               layout="head"):  # fmt: skip
+               layout="head", l2="cold"):  # fmt: skip
     import torch
     import torch.nn.functional as F
 
     from splitflash.kernels.paged_attention import paged_attention_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    args = _paged_inputs(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, gen,
-                         layout)  # fmt: skip
-    q, k_pages, v_pages, page_table = args[:4]
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * batch * kv_len * kv_heads * head_dim * elem
+    copies = copies_for(kv_bytes, l2)
+    cases = [_paged_inputs(batch, kv_len, q_len, heads, kv_heads, head_dim, page, dtype, gen,
+                           layout) for _ in range(copies)]  # fmt: skip
     scale = head_dim**-0.5
-    kv_bytes = 2 * batch * kv_len * kv_heads * head_dim * k_pages.element_size()
     row = dict(batch=batch, kv_len=kv_len, q_len=q_len, heads=heads, kv_heads=kv_heads,
-               head_dim=head_dim, page_size=page, kv_bytes=kv_bytes, layout=layout)  # fmt: skip
+               head_dim=head_dim, page_size=page, kv_bytes=kv_bytes, layout=layout, l2=l2,
+               input_copies=copies)  # fmt: skip
     known = dict(max_kv_len=kv_len, max_q_len=q_len)  # what a scheduler passes: no host sync
 
-    def triton_fn():
-        return paged_attention_triton(*args, scale, **known)
+    def triton_call(args):
+        return lambda: paged_attention_triton(*args, scale, **known)
 
-    ms = _time_graph_ms(triton_fn)
+    triton_fn = _rotated([triton_call(args) for args in cases])
+    ms = _time_graph_ms(triton_fn) / copies
     row["triton_ms"], row["triton_gbps"] = ms, kv_bytes / (ms * 1e-3) / 1e9
-    row["triton_eager_ms"] = _time_ms(triton_fn)  # includes host launch overhead
+    row["triton_eager_ms"] = _time_ms(triton_fn) / copies  # includes host launch overhead
     row["sdpa_ms"] = row["sdpa_gbps"] = None
     if with_sdpa:
-        qs, k, v, mask = _sdpa_case(q, args[1], args[2], page_table, batch, kv_len, q_len)
+        dense = [_sdpa_case(a[0], a[1], a[2], a[3], batch, kv_len, q_len) for a in cases]
 
-        def sdpa_fn():
-            return F.scaled_dot_product_attention(
+        def sdpa_call(qs, k, v, mask):
+            return lambda: F.scaled_dot_product_attention(
                 qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
 
+        sdpa_fn = _rotated([sdpa_call(*d) for d in dense])
         try:
-            ms = _time_graph_ms(sdpa_fn)
+            ms = _time_graph_ms(sdpa_fn) / copies
             row["sdpa_ms"], row["sdpa_gbps"] = ms, kv_bytes / (ms * 1e-3) / 1e9
-            row["sdpa_eager_ms"] = _time_ms(sdpa_fn)
+            row["sdpa_eager_ms"] = _time_ms(sdpa_fn) / copies
         except (RuntimeError, TypeError) as exc:  # no GQA/mask backend in this torch
             row["sdpa_error"] = f"{type(exc).__name__}: {exc}"[:200]
     return row
@@ -146,6 +182,7 @@ def run_kernel_bench(
     with_sdpa: bool = True,
     print_table: bool = True,
     layout: str = "head",
+    l2: str = "cold",
 ) -> list[dict]:
     """Rows of {batch, kv_len, q_len, kv_bytes, triton_ms/gbps, sdpa_ms/gbps, copy_gbps,
     triton_vs_copy, triton_vs_sdpa}. Raises RuntimeError without CUDA."""
@@ -162,7 +199,7 @@ def run_kernel_bench(
         for kv_len in kv_lens:
             for q_len in q_lens:
                 row = _bench_one(batch, kv_len, q_len, heads, kv_heads, head_dim, page_size,
-                                 torch_dtype, with_sdpa, layout)  # fmt: skip
+                                 torch_dtype, with_sdpa, layout, l2)  # fmt: skip
                 row.update(device=device, capability=f"sm_{cap[0]}{cap[1]}", dtype=dtype,
                            copy_gbps=copy_gbps)  # fmt: skip
                 row["triton_vs_copy"] = row["triton_gbps"] / copy_gbps
@@ -182,7 +219,10 @@ def print_rows(rows: list[dict]) -> None:
     def fmt(x, spec):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
-    title = f"paged verify attention, {rows[0]['device']} ({rows[0]['capability']})" if rows else ""
+    title = ""
+    if rows:
+        title = (f"paged verify attention, {rows[0]['device']} ({rows[0]['capability']}), "
+                 f"L2 {rows[0]['l2']}")  # fmt: skip
     table = Table(title=title)
     for col in ("B", "kv_len", "q_len", "KV MB", "triton ms", "triton GB/s", "sdpa ms",
                 "sdpa GB/s", "copy GB/s", "triton/copy", "speedup vs sdpa"):  # fmt: skip
@@ -219,10 +259,16 @@ def main(argv: list[str] | None = None) -> int:
         choices=["head", "token"],
         help="page storage: head-major (PagedKVCache's) or token-major",
     )
+    ap.add_argument(
+        "--l2",
+        default="cold",
+        choices=["cold", "warm"],
+        help="cold: rotate input copies past L2 (the default); warm: one copy",
+    )
     a = ap.parse_args(argv)
     rows = run_kernel_bench(a.batch_sizes, a.kv_lens, a.q_lens, a.heads, a.kv_heads,
                             a.head_dim, a.page_size, a.dtype, not a.no_sdpa,
-                            layout=a.layout)  # fmt: skip
+                            layout=a.layout, l2=a.l2)  # fmt: skip
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(rows, indent=2))
     print(f"wrote {len(rows)} rows to {a.out}")

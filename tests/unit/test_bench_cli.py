@@ -97,3 +97,17 @@ def test_cli_runs_the_context_append_benchmark():
     rows = [line.replace(":", "").split() for line in out.splitlines() if line.startswith("B ")]
     assert [r[1] for r in rows] == ["1", "3"]
     assert all(float(r[5]) > 0 and float(r[8]) > 0 for r in rows), out
+
+
+def test_the_kernel_benchmark_streams_several_l2_sizes_per_timed_call(monkeypatch):
+    """L2 cold: K/V under L2_MULTIPLE x L2 gets copies enough to stream that much per call
+    (at 8k keys, batch 1, the issue's shape holds 34 MB, under an H100's 50 MB L2)."""
+    from bench import kernels
+
+    monkeypatch.setattr(kernels, "l2_bytes", lambda: 50 << 20)
+    issue_8k = 2 * 8192 * 8 * 128 * 2  # K and V, batch 1, bf16
+    copies = kernels.copies_for(issue_8k, "cold")
+    assert copies * issue_8k >= kernels.L2_MULTIPLE * (50 << 20) > (copies - 1) * issue_8k
+    assert kernels.copies_for(64 * issue_8k, "cold") == 1  # 2 GiB: far past L2 already
+    assert kernels.copies_for(1, "cold") == kernels.MAX_COPIES
+    assert kernels.copies_for(issue_8k, "warm") == 1
