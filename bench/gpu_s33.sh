@@ -6,6 +6,9 @@
 #        default model's shape with the split chunk attention on (auto) and off (0) side by
 #        side; the GPU tests of prefill and chunk attention at this commit
 #   bash bench/gpu_s33.sh b   every GPU test (~150 s on an H100)
+#   bash bench/gpu_s33.sh w   (~330 s) waves 1.5 for heads wider than 64 dims (kv_splits) against
+#        the rules before it, side by side: the issue's kernel bench (L2 cold) and the verify
+#        step of Llama-3-8B's shape at 32k and 185k; then the paged kernels' GPU tests
 source bench/gpu_setup.sh
 
 if [ "$1" = a ]; then
@@ -19,6 +22,23 @@ if [ "$1" = a ]; then
   done
   timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_chunk_attention.py \
     tests/unit/test_prefill_chunks.py tests/unit/test_prefill_attention.py 2>&1 | tail -2
+elif [ "$1" = w ]; then
+  old="import splitflash.kernels.kv_splits as k; k.WAVES_WIDE_HEADS.clear()"
+  for rule in new old; do
+    pre=""; [ $rule = old ] && pre="$old;"
+    timeout 150 python3 -c "$pre
+from bench.kernels import main; main(['--q-lens', '1,16', '--out', '$OUT/kernels_waves_$rule.json'])" 2>&1 \
+      | grep -E "^│" | sed "s|^|$rule |"
+  done
+  for rule in new old; do
+    pre=""; [ $rule = old ] && pre="$old;"
+    timeout 120 python3 -c "$pre
+from bench.verify_step import main; main(['--shape', 'llama3-8b', '--contexts', '32768', '185000',
+  '--reps', '20', '--json-out', '$OUT/verify_8b_waves_$rule.json'])" 2>&1 | grep -E "\] ctx" \
+      | sed "s|^|$rule |"
+  done
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_kernels_paged.py \
+    tests/unit/test_kernels_paged_paths.py 2>&1 | tail -2
 elif [ "$1" = b ]; then
   timeout 290 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4
 fi

@@ -12,6 +12,7 @@ from splitflash.kernels.tuning import (
     WIDE_M_MIN_ROWS,
     WIDE_M_MIN_WARPS,
     WIDE_M_SETS,
+    WIDE_N_MAX_HEAD_DIM,
     TileConfig,
     config_set_for,
     device_facts,
@@ -38,16 +39,29 @@ class SplitPlan:
 #   2 programs per SM, so the launch is one resident wave with no tail: 0.67-0.95 of copy
 #   against 0.62-0.84 at 1 and 0.55-0.94 at 4 (q 16); at q 64, 0.31 against 0.21 at 1.
 # - 128-row tiles (8 warps): 1. One 256-thread program per SM: 0.30-0.31 of copy at q 64.
+# Heads wider than WIDE_N_MAX_HEAD_DIM (D 128: the (64, 4, 3) picks) take 1.5 for q 1 and
+# 64-row tiles, measured on an H100 (bench/RESULTS.md "Session 33"; sessions 32-33 sweeps,
+# G 4, D 128): batch 1 at 8k / 32k / 128k, q 1 and 16, and batch 8 at 8k-128k, q 1, it was
+# the fastest or within 0.01 of copy (8k q 1, L2 cold: 0.56 against 0.50 for the legacy
+# rule's 32 splits; 32k q 16: 0.73 against 0.68); it lost only at batch 8 x 128k, q 16 (1.00
+# against 1.02). Heads of <= 64 dims (the default model's (128, 4, 3) picks) keep the rules
+# above: there 2 beat 1.5 at 32k q 16 (0.56 against 0.50) and tied at 185k. Not yet swept on
+# the H200 with the rotated (L2 cold) inputs.
 WAVES_Q1: float | None = None
 WAVES_64_ROWS = 2.0
 WAVES_128_ROWS = 1.0
+WAVES_WIDE_HEADS: dict[str, float] = {"hopper": 1.5}  # per config set (tuning.CONFIG_SETS)
 
 
-def default_waves(max_q_len: int, block_m: int) -> float | None:
-    """Programs per SM for a launch of this q_len and row tile (see WAVES_*)."""
-    if max_q_len <= 1:
-        return WAVES_Q1
-    return WAVES_128_ROWS if block_m >= WIDE_M_MIN_ROWS else WAVES_64_ROWS
+def default_waves(max_q_len: int, block_m: int, head_dim: int | None = None,
+                  set_name: str = "generic") -> float | None:  # fmt: skip
+    """Programs per SM for a launch of this q_len, row tile and head dim on a GPU of this
+    config set (see WAVES_*)."""
+    if block_m >= WIDE_M_MIN_ROWS:
+        return WAVES_128_ROWS
+    if head_dim is not None and head_dim > WIDE_N_MAX_HEAD_DIM and set_name in WAVES_WIDE_HEADS:
+        return WAVES_WIDE_HEADS[set_name]
+    return WAVES_Q1 if max_q_len <= 1 else WAVES_64_ROWS
 
 
 def plan_splits(
@@ -136,6 +150,6 @@ def plan_launch(
     block_m = pick_block_m(rows, wide_ok)
     m_tiles = -(-rows // block_m)
     if waves is None:
-        waves = default_waves(max_q_len, block_m)
+        waves = default_waves(max_q_len, block_m, head_dim, config_set_for(cap))
     splits = plan_splits(max_kv_len, n_req * m_tiles * n_kv_heads, sm_count, num_splits, waves)
     return LaunchPlan(cap, config, block_m, m_tiles, splits)

@@ -136,6 +136,11 @@ def test_default_waves_by_tile():
     assert default_waves(1, 16) is None  # legacy rule for decode
     assert default_waves(16, 64) == default_waves(2, 64) == default_waves(40, 64) == 2.0
     assert default_waves(64, 128) == 1.0  # one 8-warp program per SM
+    # Hopper, heads wider than 64 dims: 1.5 for q 1 and 64-row tiles (H100 sweeps)
+    assert default_waves(1, 16, 128, "hopper") == default_waves(16, 64, 128, "hopper") == 1.5
+    assert default_waves(64, 128, 128, "hopper") == 1.0
+    assert default_waves(1, 16, 64, "hopper") is None and default_waves(16, 64, 64, "hopper") == 2
+    assert default_waves(1, 16, 128) is None  # unmeasured sets keep the rules above
 
 
 def test_draft_attention_has_a_pick_on_hopper_only():
