@@ -39,27 +39,36 @@ class SplitPlan:
 #   2 programs per SM, so the launch is one resident wave with no tail: 0.67-0.95 of copy
 #   against 0.62-0.84 at 1 and 0.55-0.94 at 4 (q 16); at q 64, 0.31 against 0.21 at 1.
 # - 128-row tiles (8 warps): 1. One 256-thread program per SM: 0.30-0.31 of copy at q 64.
-# Heads wider than WIDE_N_MAX_HEAD_DIM (D 128: the (64, 4, 3) picks) take 1.5 for q 1 and
-# 64-row tiles, measured on an H100 (bench/RESULTS.md "Session 33"; sessions 32-33 sweeps,
-# G 4, D 128): batch 1 at 8k / 32k / 128k, q 1 and 16, and batch 8 at 8k-128k, q 1, it was
-# the fastest or within 0.01 of copy (8k q 1, L2 cold: 0.56 against 0.50 for the legacy
-# rule's 32 splits; 32k q 16: 0.73 against 0.68); it lost only at batch 8 x 128k, q 16 (1.00
-# against 1.02). Heads of <= 64 dims (the default model's (128, 4, 3) picks) keep the rules
-# above: there 2 beat 1.5 at 32k q 16 (0.56 against 0.50) and tied at 185k. Not yet swept on
-# the H200 with the rotated (L2 cold) inputs.
+# Heads wider than WIDE_N_MAX_HEAD_DIM (D 128: the (64, 4, 3) picks) on Hopper take 1.5 for
+# q 1, and for 64-row tiles whose splits at 2 would be short (<= WIDE_HEADS_MAX_SPLIT keys).
+# Measured on an H100, side by side, L2 cold (bench/RESULTS.md "Session 33", G 4, D 128):
+# q 1 at batch 1 and 8, 8k-262k keys: 0.93-0.97 of SDPA against 0.84-0.97 for the legacy
+# rule (8k, batch 1: 0.57 of copy against 0.51); q 16 at batch 1, 8k / 32k: 0.46 / 0.75 of
+# copy against 0.36 / 0.69 at 2. Where the splits at 2 are long (batch 8 x 128k / 262k q 16:
+# 32k-key splits) 2 stays: 1.5 lost 1.7-1.9% there. Heads of <= 64 dims (the default
+# model's (128, 4, 3) picks) keep the rules above: there 2 beat 1.5 at 32k q 16 (0.56
+# against 0.50) and tied at 185k. Not yet swept on the H200 with L2-cold inputs.
 WAVES_Q1: float | None = None
 WAVES_64_ROWS = 2.0
 WAVES_128_ROWS = 1.0
 WAVES_WIDE_HEADS: dict[str, float] = {"hopper": 1.5}  # per config set (tuning.CONFIG_SETS)
+WIDE_HEADS_MAX_SPLIT = 4096
 
 
-def default_waves(max_q_len: int, block_m: int, head_dim: int | None = None,
-                  set_name: str = "generic") -> float | None:  # fmt: skip
+def default_waves(
+    max_q_len: int,
+    block_m: int,
+    head_dim: int | None = None,
+    set_name: str = "generic",
+    long_splits: bool = False,
+) -> float | None:
     """Programs per SM for a launch of this q_len, row tile and head dim on a GPU of this
-    config set (see WAVES_*)."""
+    config set (see WAVES_*). long_splits: a 64-row launch at WAVES_64_ROWS would give
+    splits of more than WIDE_HEADS_MAX_SPLIT keys."""
     if block_m >= WIDE_M_MIN_ROWS:
         return WAVES_128_ROWS
-    if head_dim is not None and head_dim > WIDE_N_MAX_HEAD_DIM and set_name in WAVES_WIDE_HEADS:
+    wide = head_dim is not None and head_dim > WIDE_N_MAX_HEAD_DIM
+    if wide and set_name in WAVES_WIDE_HEADS and (max_q_len <= 1 or not long_splits):
         return WAVES_WIDE_HEADS[set_name]
     return WAVES_Q1 if max_q_len <= 1 else WAVES_64_ROWS
 
@@ -149,7 +158,10 @@ def plan_launch(
         wide_ok = config_set_for(cap) in WIDE_M_SETS
     block_m = pick_block_m(rows, wide_ok)
     m_tiles = -(-rows // block_m)
+    base = n_req * m_tiles * n_kv_heads
     if waves is None:
-        waves = default_waves(max_q_len, block_m, head_dim, config_set_for(cap))
-    splits = plan_splits(max_kv_len, n_req * m_tiles * n_kv_heads, sm_count, num_splits, waves)
+        at_two = plan_splits(max_kv_len, base, sm_count, None, WAVES_64_ROWS).split_len
+        waves = default_waves(max_q_len, block_m, head_dim, config_set_for(cap),
+                              at_two > WIDE_HEADS_MAX_SPLIT)  # fmt: skip
+    splits = plan_splits(max_kv_len, base, sm_count, num_splits, waves)
     return LaunchPlan(cap, config, block_m, m_tiles, splits)

@@ -141,6 +141,9 @@ def test_default_waves_by_tile():
     assert default_waves(64, 128, 128, "hopper") == 1.0
     assert default_waves(1, 16, 64, "hopper") is None and default_waves(16, 64, 64, "hopper") == 2
     assert default_waves(1, 16, 128) is None  # unmeasured sets keep the rules above
+    # 64-row tiles whose splits at 2 waves would be long keep 2; q 1 takes 1.5 regardless
+    assert default_waves(16, 64, 128, "hopper", long_splits=True) == 2.0
+    assert default_waves(1, 16, 128, "hopper", long_splits=True) == 1.5
 
 
 def test_draft_attention_has_a_pick_on_hopper_only():
