@@ -10,11 +10,12 @@ against the cached keys (no mask) and against its own keys (square causal); thei
 merge exactly through the two log-sum-exps.
 
 Measured on an H100 (bench/RESULTS.md "Session 33"): one layer at 185k keys 94 ms split
-against 142 masked (84 whole); a 185k prompt in chunks of 8192 3.37 s against 4.85 (2.76
-whole). SPLITFLASH_PREFILL_SPLIT_ATTENTION: unset (auto) splits on CUDA in bf16 / fp16 with
-heads of <= 128 dims (cuDNN's shapes), and masks otherwise (the CPU's split is correct but
-not measured faster); 1 splits everywhere a split can run (tests), 0 never. If cuDNN
-(or the CPU kernel) raises, the process logs it once and masks from then on.
+against 142 masked (84 whole); a 185k prompt in chunks of 8192 3.40 s against 5.02 (2.76
+whole). On the CPU (2 cores, fp32, the default model's heads) a chunk of 2048 after 8192
+keys took 0.49-0.52 s split against 0.71-0.76 masked. SPLITFLASH_PREFILL_SPLIT_ATTENTION:
+unset or 1 splits wherever the fused kernels take the shape (on CUDA: bf16 / fp16 heads of
+<= 128 dims, cuDNN's), 0 never. If a split call raises, the process logs it once and masks
+from then on.
 """
 
 from __future__ import annotations
@@ -38,9 +39,7 @@ def split_chosen(q: torch.Tensor) -> bool:
     mode = os.environ.get("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "").strip()
     if mode not in ("", "0", "1"):
         raise ValueError(f"SPLITFLASH_PREFILL_SPLIT_ATTENTION must be 0, 1 or unset, got {mode!r}")
-    if mode == "0" or _split_refused or (q.is_cuda and not _cudnn_shape(q)):
-        return False
-    return mode == "1" or q.is_cuda
+    return mode != "0" and not _split_refused and (not q.is_cuda or _cudnn_shape(q))
 
 
 def _cudnn_shape(q: torch.Tensor) -> bool:

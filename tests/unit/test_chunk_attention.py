@@ -62,10 +62,12 @@ def test_the_switch_picks_the_split_only_for_a_chunk_after_cached_keys(monkeypat
     q, k, v = _case(5, 9)
     chunk_attention(q, k, v, None)
     assert len(calls) == 1
-    for mode in ("0", ""):  # off, and auto (which splits on CUDA only)
-        monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", mode)
-        torch.testing.assert_close(chunk_attention(q, k, v, None), _masked(q, k, v))
-    assert len(calls) == 1
+    monkeypatch.delenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION")  # unset: split too
+    chunk_attention(q, k, v, None)
+    assert len(calls) == 2
+    monkeypatch.setenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", "0")
+    torch.testing.assert_close(chunk_attention(q, k, v, None), _masked(q, k, v))
+    assert len(calls) == 2
 
 
 def test_a_bad_switch_value_is_named(monkeypatch):
@@ -115,7 +117,7 @@ def test_the_split_chunk_on_the_gpu_in_bf16(chunk, cached):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_auto_splits_cudnn_shapes_on_the_gpu_and_masks_the_others(monkeypatch):
+def test_the_gpu_splits_cudnn_shapes_and_masks_the_others(monkeypatch):
     monkeypatch.delenv("SPLITFLASH_PREFILL_SPLIT_ATTENTION", raising=False)
     calls = _spy_split(monkeypatch)
     for dtype, dim, splits in ((torch.bfloat16, 64, 1), (torch.float32, 64, 0),
