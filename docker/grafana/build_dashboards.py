@@ -147,6 +147,10 @@ LONGCTX = [
            f"group_left {rate('splitflash_draft_steps_total', B)}",
            "{{layer_kind}} {{context_bucket}}"),
           ("max(splitflash_draft_sliding_keys_bound)", "sliding bound (sum of windows)")),
+    panel("Prefill chunk time by context bucket (p99)", "One prompt chunk's forward on a "
+          "verify instance: the running requests there wait this long for their next step "
+          "(lower VERIFY_PREFILL_CHUNK to shorten it); bucket = the chunk's last position.",
+          *quantiles("splitflash_verify_prefill_chunk_seconds", B)[2:], unit="s"),
     panel("Verify bytes read per step by context bucket", "KV + weights read per verify step.",
           (f"{rate('splitflash_verify_kv_bytes_read_total', B)} / "
            f"{rate('splitflash_step_seconds_count', B)}", "{{context_bucket}}"), unit="bytes"),

@@ -31,6 +31,7 @@ from splitflash.protocol import (
     dealer_send,
     recv,
 )
+from splitflash.services.common.metric_math import context_bucket
 from splitflash.services.gateway.config import GatewaySettings
 from splitflash.services.gateway.jobs import Failed, Finished, Job, Tokens
 from splitflash.services.gateway.runtime import GatewayRuntime
@@ -170,6 +171,25 @@ def test_a_deadline_passing_between_chunks_ends_the_prefill():
         done = int(result.error.split("(")[1].split()[0])
         assert 0 < done < len(LONG)
         assert v.engine.cache.used_pages == 0 and "late" not in v.engine.cache.seqs
+
+
+def test_each_prefill_chunk_is_timed_by_the_context_it_reaches():
+    """splitflash_verify_prefill_chunk_seconds: one observation per chunk, each at least its
+    forward's time (slowed here), labelled by the bucket of the chunk's last position."""
+    with running(verify_server(chunk=8)) as v:
+        before_each_forward(v, lambda: time.sleep(0.02))
+        pipe = Pipe(v.endpoint)
+        try:
+            pipe.send(prefill("timed", LONG[:40]))  # 5 chunks of 8
+            _, reply = pipe.reply()
+        finally:
+            pipe.close()
+        assert reply.results[0].error is None
+        labels = {"context_bucket": context_bucket(40)}
+        sample = v.metrics.registry.get_sample_value
+        name = "splitflash_verify_prefill_chunk_seconds"
+        assert sample(name + "_count", labels) == 5
+        assert 5 * 0.02 <= sample(name + "_sum", labels) < reply.timings["total"]
 
 
 def _job(rid: str, prompt: list[int], n: int) -> Job:

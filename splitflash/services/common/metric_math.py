@@ -209,6 +209,11 @@ METRICS = MappingProxyType(
             "counter", "Bytes of KV cache plus weights read by verify forwards; context_bucket "
             "= longest context in the batch (the step_seconds rule).", _BUCKET,
         ),
+        "verify_prefill_chunk_seconds": _d(
+            "histogram", "Wall time of one prompt chunk's prefill forward on a verify instance, "
+            "seconds: the running requests' steps on it wait this long behind the chunk; "
+            "context_bucket = the chunk's last position.", _BUCKET, buckets=STEP_BUCKETS,
+        ),
         "verify_forwards": _d(
             "counter", "Verify forwards by how they ran: mode=graph replayed a captured CUDA "
             "graph, mode=eager launched each kernel from Python (CPU, blocks of mixed lengths "

@@ -188,6 +188,7 @@ def publish_attention_policy(
 class VerifyMetrics:
     verify_kv_bytes_read: Counter
     verify_forwards: Counter
+    verify_prefill_chunk_seconds: Histogram  # {context_bucket}
     verify_graph_capture_failed: Gauge
     verify_batch_invariant: Gauge
     verify_graph_captures: Counter

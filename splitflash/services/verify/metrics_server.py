@@ -63,6 +63,10 @@ class VerifyServerMetrics:
             self.bundle.verify_graph_capture_seconds.inc(seconds)
             self.bundle.verify_graph_evictions.inc(graphs.pop_evictions())
 
+    def observe_prefill_chunk(self, end_position: int, seconds: float) -> None:
+        bucket = context_bucket(end_position)
+        self.bundle.verify_prefill_chunk_seconds.labels(context_bucket=bucket).observe(seconds)
+
     def add_kv_bytes(self, longest_context: int, n_bytes: int) -> None:
         self.bundle.verify_kv_bytes_read.labels(context_bucket=context_bucket(longest_context)).inc(
             n_bytes

@@ -116,6 +116,8 @@ class PrefillJob(Deferred):
             return
         finally:
             self.forward += time.perf_counter() - t
+        # advance() synced the device after a non-final chunk: the wall time is the chunk's
+        self.server.metrics.observe_prefill_chunk(run.cached, time.perf_counter() - t)
         if report is not None:
             self._run = None
             self.outcomes[i] = report  # its last chunk's rows go with the reply
