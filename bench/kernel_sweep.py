@@ -59,9 +59,11 @@ def _inputs(batch, kv_len, q_len, shape, dtype, cuda, layout="head", seed=0):
             torch.tensor(chain * batch, dtype=torch.int64))  # fmt: skip
 
 
-def plan_rows(point, configs, waves, shape, device, with_auto, q1_waves=False):
-    """Rows to time at one point: one per (config, distinct split count); 'auto' last.
-    q_len 1 keeps the legacy split rule unless q1_waves (--waves given)."""
+def plan_rows(point, configs, waves, shape, device, with_auto, q1_waves=False, block_ms=(None,)):
+    """Rows to time at one point: one per (config, rows per program, distinct split count);
+    'auto' last. q_len 1 keeps the legacy split rule unless q1_waves (--waves given).
+    block_ms: rows per program to try (None: pick_block_m's); those a config cannot run
+    (128 rows at 4 warps) are left out."""
     from splitflash.kernels.kv_splits import plan_launch
 
     batch, kv_len, q_len = point
@@ -69,11 +71,14 @@ def plan_rows(point, configs, waves, shape, device, with_auto, q1_waves=False):
     args = (device, q_len * group, q_len, batch, shape["kv_heads"], kv_len)
     seen = {}
     for cfg in configs:
-        for w in waves if q_len > 1 or q1_waves else (None,):
-            lp = plan_launch(*args, config=cfg, waves=w)
-            n = lp.splits.num_splits
-            seen.setdefault((cfg, n), dict(config=list(cfg), waves=[], splits=n,
-                                           block_m=lp.block_m))["waves"].append(w)  # fmt: skip
+        for bm in block_ms:
+            if bm == 128 and cfg[1] < 8:
+                continue
+            for w in waves if q_len > 1 or q1_waves else (None,):
+                lp = plan_launch(*args, config=cfg, waves=w, block_m=bm)
+                n = lp.splits.num_splits
+                seen.setdefault((cfg, lp.block_m, n), dict(config=list(cfg), waves=[], splits=n,
+                                block_m=lp.block_m))["waves"].append(w)  # fmt: skip
     rows = list(seen.values())
     if with_auto:
         lp = plan_launch(*args)
@@ -102,7 +107,7 @@ def compile_jobs(point_rows, shape, device):
                 if k not in kernels or (r["splits"] > 1 and c not in combines):
                     kernels.add(k)
                     combines.add(c)
-                    jobs.append((cfg, q_len, r["splits"], shape))
+                    jobs.append((cfg, q_len, r["splits"], shape, r["block_m"]))
     return jobs
 
 
@@ -114,11 +119,11 @@ def _compile_job(job):
 
         from splitflash.kernels.paged_attention import paged_attention_triton
 
-        cfg, q_len, splits, shape = job
+        cfg, q_len, splits, shape, block_m = job
         kv_len = 256 * splits
         args = _inputs(1, kv_len, q_len, shape, torch.bfloat16, cuda=True)
         paged_attention_triton(*args, 0.088, config=tuple(cfg), num_splits=splits,
-                               max_kv_len=kv_len, max_q_len=q_len)  # fmt: skip
+                               max_kv_len=kv_len, max_q_len=q_len, block_m=block_m)  # fmt: skip
         torch.cuda.synchronize()
         return job, None
     except Exception as exc:  # noqa: BLE001 - reported, the main run skips or retries it
@@ -156,7 +161,7 @@ def time_row(row, point, copies, ref, scale, rep, cuda):
     batch, kv_len, q_len = point
     kw = dict(max_kv_len=kv_len, max_q_len=q_len)
     if row["config"] != "auto":
-        kw.update(config=tuple(row["config"]))
+        kw.update(config=tuple(row["config"]), block_m=row["block_m"])
         if row["waves"] != [None]:  # the control keeps the default (legacy) split rule
             kw.update(num_splits=row["splits"])
 
@@ -220,8 +225,9 @@ def run(args) -> dict:
     deadline = args.time_limit - 3.0  # leave time for the summary and the JSON
     auto = not args.quick  # autotuning a point costs ~1 s plus compiles: not in --quick
     point_rows = [(control, plan_rows(control, [CONTROL_CONFIG], waves, shape, device, auto))]
-    point_rows += [(p, plan_rows(p, configs, waves, shape, device, auto, bool(args.waves)))
-                   for p in points]  # fmt: skip
+    block_ms = args.block_m or (None,)
+    point_rows += [(p, plan_rows(p, configs, waves, shape, device, auto, bool(args.waves),
+                                 block_ms)) for p in points]  # fmt: skip
     notes, n_rows = [], sum(len(r) for _, r in point_rows)
     if cuda and args.workers > 0:
         jobs = compile_jobs(point_rows, shape, device)
@@ -304,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--waves", type=float, nargs="+",
                     help="programs per SM to try (q_len 1 too) instead of 1 2 4 8")  # fmt: skip
+    ap.add_argument("--block-m", type=int, nargs="+",
+                    help="query rows per program to try (16 32 64; 128 with 8 warps) instead "
+                    "of the kernel's pick")  # fmt: skip
     ap.add_argument(
         "--configs",
         nargs="+",

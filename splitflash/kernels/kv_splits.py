@@ -135,11 +135,13 @@ def env_config() -> TileConfig | None:
 def plan_launch(
     device, rows: int, max_q_len: int, n_req: int, n_kv_heads: int, max_kv_len: int, *,
     config: TileConfig | None = None, num_splits: int | None = None,
-    waves: float | None = None, head_dim: int | None = None,
+    waves: float | None = None, head_dim: int | None = None, block_m: int | None = None,
 ) -> LaunchPlan:  # fmt: skip
     """Tile shape and split count of one paged-attention launch (device: a torch.device;
     rows = max_q_len * G). paged_attention_triton's own planning, public so benchmarks label
-    what they time. waves None: default_waves. head_dim and rows pick measured configs."""
+    what they time. waves None: default_waves. head_dim and rows pick measured configs.
+    block_m (sweeps): query rows per program instead of pick_block_m's, 16 / 32 / 64, or 128
+    with an 8-warp config; fewer rows than the request's re-read its K/V once per row tile."""
     interp = interpreter_active()
     if interp or device.type != "cuda":
         cap, sm_count = (0, 0), _INTERPRETER_SMS
@@ -156,7 +158,10 @@ def plan_launch(
         wide_ok = config[1] >= WIDE_M_MIN_WARPS
     else:  # autotuning: autotune_prune keeps only 8-warp configs for 128-row tiles
         wide_ok = config_set_for(cap) in WIDE_M_SETS
-    block_m = pick_block_m(rows, wide_ok)
+    if block_m is None:
+        block_m = pick_block_m(rows, wide_ok)
+    elif block_m not in (16, 32, 64, 128) or (block_m == 128 and not wide_ok):
+        raise ValueError(f"block_m must be 16, 32 or 64 (128 with an 8-warp config), got {block_m}")
     m_tiles = -(-rows // block_m)
     base = n_req * m_tiles * n_kv_heads
     if waves is None:

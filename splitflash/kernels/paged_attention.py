@@ -204,6 +204,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     waves: float | None = None,
     config: tuple[int, int, int] | None = None,
+    block_m: int | None = None,
     rope: RopeWrite | None = None,
 ) -> torch.Tensor:  # [N, H, D]
     """Same contract as paged_attention_ref; with rope, that of rope_kv_write_ref (q, rope.k,
@@ -211,7 +212,8 @@ def paged_attention_triton(
     max_kv_len / max_q_len are upper bounds the caller usually knows (scheduler); passing
     them avoids a device->host sync. Overrides for
     tests and sweeps: num_splits (split count), waves (programs per SM, see plan_splits),
-    config = (BLOCK_N, num_warps, num_stages) instead of autotuning."""
+    config = (BLOCK_N, num_warps, num_stages) instead of autotuning, block_m (rows per program,
+    kv_splits.plan_launch)."""
     group = check_paged_inputs(q, k_pages, v_pages, page_table, kv_lens, cu_q, anc_bits)
     if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
         raise ValueError("k_pages / v_pages must be contiguous in the head dim")
@@ -233,7 +235,7 @@ def paged_attention_triton(
 
     lp = plan_launch(q.device, max_q_len * group, max_q_len, n_req, n_kv_heads, max_kv_len,
                      config=config, num_splits=num_splits, waves=waves,
-                     head_dim=head_dim)  # fmt: skip
+                     head_dim=head_dim, block_m=block_m)  # fmt: skip
     n_splits = lp.splits.num_splits
     direct = n_splits == 1
     if direct:

@@ -179,3 +179,24 @@ def test_partials_setting_is_checked(monkeypatch):
     monkeypatch.setenv("SPLITFLASH_ATTN_PARTIALS", "bf16")
     with pytest.raises(ValueError, match="SPLITFLASH_ATTN_PARTIALS must be fp32 or input"):
         partial_dtype(q)
+
+
+@needs_triton
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_fewer_rows_per_program_than_the_request_has(block_m):
+    """block_m override (sweeps): 16 x 4 = 64 rows in 4 / 2 row tiles, each re-reading the
+    K/V of its splits; a tree block and a decode row in one launch."""
+    from splitflash.kernels.kv_splits import plan_launch
+
+    lp = plan_launch(torch.device("cpu"), 64, 16, 2, 2, 900, block_m=block_m)
+    assert (lp.block_m, lp.m_tiles) == (block_m, 64 // block_m)
+    case = make_case([900, 77], [16, 1], 8, 2, 16, 16, F32, seed=block_m)
+    check_against_oracle(case, F32, config=(32, 4, 1), num_splits=3, block_m=block_m)
+
+
+@pytest.mark.parametrize("block_m,config", [(8, None), (48, None), (128, (64, 4, 3))])
+def test_block_m_override_is_checked(block_m, config):
+    from splitflash.kernels.kv_splits import plan_launch
+
+    with pytest.raises(ValueError, match="block_m must be 16, 32 or 64"):
+        plan_launch(torch.device("cpu"), 64, 16, 1, 2, 900, config=config, block_m=block_m)
