@@ -30,6 +30,7 @@ COLUMNS = (  # (row key, header, format)
     ("accepted_depth", "acc depth", "{:.2f}"),
     ("draft_ms", "draft ms", "{:.2f}"),
     ("verify_ms", "verify ms", "{:.2f}"),
+    ("queue_ms", "queue ms", "{:.2f}"),  # a worker busy with other work (a prefill chunk)
     ("transport_ms", "transport ms", "{:.2f}"),
     ("verify_eager_fraction", "verify eager", "{:.0%}"),  # with --verify-metrics
     ("draft_eager_fraction", "draft eager", "{:.0%}"),  # with --draft-metrics, DFlash

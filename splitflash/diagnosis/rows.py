@@ -93,6 +93,8 @@ def summarise(requests: Sequence[Mapping]) -> dict:
             "accepted_drafts": sum(int(s["accepted_drafts"]) for s in steps),
         },
     }
+    if all("queue_ms" in s for s in steps):  # gateways before the queue phase lack it
+        row["queue_ms"] = fastest("queue_ms")
     if drafting:
         row["drafting_commit_len"] = sum(float(s["commit_len"]) for s in drafting) / len(drafting)
         row["drafting_drafted"] = sum(float(s["drafted"]) for s in drafting) / len(drafting)

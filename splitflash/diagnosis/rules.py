@@ -6,7 +6,8 @@ one or more greedy requests; DESIGN.md §4 terms):
   mean_commit_len (c), drafted (K per step), accepted_drafts (a per step),
   accepted_depth (d per step), draft_ms, verify_ms, transport_ms (the times: the fastest
   of the repeated requests' means),
-  optional: bytes_per_step (verify bytes read per step), keys_per_draft
+  optional: queue_ms (waited in a worker's queue behind its other work, e.g. a prefill
+  chunk), bytes_per_step (verify bytes read per step), keys_per_draft
   ({layer_kind: context keys read per draft}), no_draft_fraction (steps with K == 0),
   paused_fraction (steps the gateway's speculation gate ran without drafts),
   drafting_commit_len / drafting_drafted (c and K per step over the steps with K > 0),

@@ -53,6 +53,7 @@ from splitflash.protocol.messages import (
 )
 from splitflash.protocol.server import (
     Deferred,
+    QueueClock,
     answer_hello,
     serve_forever,
     serve_one,
@@ -131,6 +132,7 @@ __all__ = [
     "make_hello",
     "make_socket",
     "probe_protocol_version",
+    "QueueClock",
     "recv",
     "router_send",
     "serve_forever",

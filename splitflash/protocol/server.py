@@ -5,6 +5,9 @@ The loop itself answers `Heartbeat` (liveness must not depend on the engine) and
 A handler may answer with a `Deferred` (work too long for one turn: a long prefill): the
 loop then runs one `advance()` of it after each message it serves, or whenever none waits,
 round-robin over the deferred calls open, and sends the reply once advance() gives it.
+A `QueueClock` keeps when the loop last saw its socket empty, so a handler can tell its caller
+how long the message may have waited behind the loop's other work (queueing, which the
+gateway would otherwise count as transport).
 Failures are reported to `on_error(code)` so each service counts them in its own metrics:
 the `ErrorCode` of every Error reply the loop makes, plus "send_failed" (reply to a peer
 that is gone or not reading) and "unreadable" (frame without even an identity).
@@ -61,6 +64,28 @@ class _Open:
     call_id: bytes
     work: Deferred
     name: str  # the request message's type, for logs and errors
+
+
+class QueueClock:
+    """When a serve loop last saw its socket empty. A message the loop takes arrived after
+    that moment, so `waited()` read at the start of its handler is an upper bound of the
+    time it sat queued behind the loop's other work (a Deferred's slice, messages before
+    it), and about 0 when it arrived while the loop waited. The loop looks before every
+    receive and every Deferred slice, so the bound is loose only for a message that came
+    late in a slice: at most that slice."""
+
+    def __init__(self) -> None:
+        self.empty_at = time.perf_counter()
+
+    def waited(self) -> float:
+        return max(0.0, time.perf_counter() - self.empty_at)
+
+    def look(self, sock: zmq.Socket) -> bool:
+        """Whether a message waits now; if none does, the socket was empty at this moment."""
+        if sock.poll(0, zmq.POLLIN):
+            return True
+        self.empty_at = time.perf_counter()
+        return False
 
 
 class StopFlag(Protocol):
@@ -193,6 +218,15 @@ def serve_one(
     return None
 
 
+def _receive(sock: zmq.Socket, timeout_ms: int, clock: QueueClock) -> list[zmq.Frame] | None:
+    """The next message's frames, or None after timeout_ms without one."""
+    if not clock.look(sock):
+        if not timeout_ms or not sock.poll(timeout_ms, zmq.POLLIN):
+            return None
+        clock.empty_at = time.perf_counter()  # it came while the loop waited: not queued
+    return sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+
+
 def _advance(sock: zmq.Socket, open_calls: deque[_Open], responses: Codec[Any],
              on_error: OnError) -> None:  # fmt: skip
     """One slice of the first open call; its reply once it has one, else it goes last."""
@@ -229,24 +263,24 @@ def serve_forever(
     on_error: OnError | None = None,
     poll_ms: int = 100,
     on_idle: Callable[[], None] | None = None,
+    clock: QueueClock | None = None,
 ) -> None:
     """Serve a ROUTER socket until `stop_event` is set (checked every `poll_ms`).
 
     `on_idle` runs after every `poll_ms` without a message or open Deferred: background
     work that must not delay a message already waiting (keep each call short). Deferred
     calls advance one slice after each message served, so neither messages nor deferred
-    work can starve the other. Returns on stop or when the context is terminated; the
-    socket stays the caller's.
+    work can starve the other. `clock` (QueueClock) is kept up to date for the handler to
+    read. Returns on stop or when the context is terminated; the socket stays the caller's.
     """
     report: OnError = on_error or (lambda code: None)
+    clock = clock or QueueClock()
     open_calls: deque[_Open] = deque()
     while not stop_event.is_set():
         try:
-            frames = None
-            if sock.poll(0 if open_calls else poll_ms, zmq.POLLIN):
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            frames = _receive(sock, 0 if open_calls else poll_ms, clock)
         except zmq.Again:
-            pass
+            frames = None
         except zmq.ZMQError as e:
             if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
                 return
@@ -262,5 +296,7 @@ def serve_forever(
                 on_idle()
             continue
         if open_calls:
+            if frames is not None:  # (else _receive has just seen the socket empty)
+                clock.look(sock)  # a message that comes now waits through the slice
             _advance(sock, open_calls, responses, report)
     _abandon(sock, open_calls, responses, report)

@@ -9,6 +9,7 @@ matched to its call id.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from splitflash.protocol import (
     ErrorCode,
     Heartbeat,
     HeartbeatReply,
+    QueueClock,
     Release,
     ReleaseReply,
     bind,
@@ -155,3 +157,58 @@ def test_stopping_abandons_open_calls_and_tells_their_callers(ctx, handler):
     assert call == 4 and isinstance(error, Error) and error.code == ErrorCode.INTERNAL
     assert error.message == "service stopping: Release not done"
     assert handler.opened["long"].abandoned
+
+
+class SlowSlice(Deferred):
+    """One slice that takes `seconds`, telling `started` when it begins."""
+
+    def __init__(self, seconds: float, started: threading.Event) -> None:
+        self.seconds, self.started = seconds, started
+
+    def advance(self) -> Any | None:
+        self.started.set()
+        time.sleep(self.seconds)
+        return ReleaseReply(released=["slow"])
+
+
+def test_a_message_that_waits_behind_a_slice_is_told_so(ctx):
+    """QueueClock: a message sent while a 0.5 s slice runs reads the slice as its wait (at
+    most: what the services report as "queued"), not the slow handling of the message
+    before; one that arrives while the loop waits, or that opens the slice, about nothing."""
+    started, waited = threading.Event(), {}
+    clock = QueueClock()
+
+    def handler(msg: Any, frames: list[zmq.Frame]) -> Any:
+        name = msg.request_ids[0]
+        waited[name] = clock.waited()
+        if name != "slow":
+            return ReleaseReply(released=[name])
+        time.sleep(0.4)  # its own handling is not what the next message waits behind
+        return SlowSlice(0.5, started)
+
+    router = make_socket(ctx, "router", linger_ms=0)
+    server = Server(ctx, bind(router, "tcp://127.0.0.1:*"))
+    stop = threading.Event()
+    loop = threading.Thread(target=serve_forever, args=(router, handler, stop), daemon=True,
+                            kwargs=dict(requests=DRAFT_REQUESTS, responses=DRAFT_RESPONSES,
+                                        poll_ms=1000, clock=clock))  # fmt: skip
+    loop.start()
+    try:
+        peer = server.dealer()
+        time.sleep(0.3)  # the loop waits for a message meanwhile
+        _send(peer, 1, Release(request_ids=["idle"]))
+        assert _reply(peer) == (1, ReleaseReply(released=["idle"]))
+        t0 = time.perf_counter()
+        _send(peer, 2, Release(request_ids=["slow"]))
+        assert started.wait(T)
+        _send(peer, 3, Release(request_ids=["behind"]))
+        replies = dict([_reply(peer), _reply(peer)])
+        assert replies == {2: ReleaseReply(released=["slow"]), 3: ReleaseReply(released=["behind"])}
+        # it came during the slice: the bound is the slice (from the loop's last look at an
+        # empty socket, just before the slice), never more than the whole exchange
+        assert 0.45 <= waited["behind"] <= min(0.7, time.perf_counter() - t0)
+        assert waited["idle"] < 0.1 and waited["slow"] < 0.1
+    finally:
+        stop.set()
+        loop.join(timeout=T)
+        router.close(linger=0)

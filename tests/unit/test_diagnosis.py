@@ -214,6 +214,18 @@ def test_summarise_pools_steps_over_requests():
     assert r["draft_ms"] == pytest.approx(1.0) and r["no_draft_fraction"] == pytest.approx(0.25)
     assert r["trace_totals"] == {"steps": 4, "draft_tokens": 12, "accepted_drafts": 6}
     assert r["reported"] == r["trace_totals"]
+    assert "queue_ms" not in r  # these traces (an older gateway's) do not measure it
+
+
+def test_summarise_takes_the_queue_time_when_every_step_has_it():
+    queued = [dict(step(4, 4, 3), queue_ms=q) for q in (30.0, 10.0)]
+    reqs = [
+        dict(context=100, tokens=9, decode_s=0.4, trace=queued),
+        dict(context=100, tokens=9, decode_s=0.4, trace=[dict(step(4, 4, 3), queue_ms=4.0)]),
+    ]
+    assert summarise(reqs)["queue_ms"] == pytest.approx(4.0)  # the faster request's mean
+    reqs[1]["trace"].append(step(4, 4, 3))  # one step without it: not measured
+    assert "queue_ms" not in summarise(reqs)
 
 
 def test_worker_figures_from_scrape_deltas():

@@ -38,7 +38,7 @@ INVARIANTS: tuple[str, ...] = (
 
 
 PREFIX = "splitflash_"
-PHASES: tuple[str, ...] = ("draft", "verify", "transport", "schedule")
+PHASES: tuple[str, ...] = ("draft", "verify", "queue", "transport", "schedule")
 FALLBACK_REASONS: tuple[str, ...] = (
     "drafter_down", "deadline", "disabled", "error", "unprofitable",
 )  # fmt: skip
@@ -156,7 +156,9 @@ METRICS = MappingProxyType(
         ),
         "step_phase_seconds": _d(
             "histogram", "Time of one phase of a decode step, seconds: draft/verify = worker "
-            "compute, transport = round trips minus compute, schedule = gateway bookkeeping.",
+            "compute, queue = waited in a worker's queue behind its other work (a prefill "
+            "chunk; at most), transport = round trips minus those, schedule = gateway "
+            "bookkeeping.",
             ("phase", PHASES), buckets=STEP_BUCKETS,
         ),
         "step_phase_by_context_seconds": _d(

@@ -32,6 +32,7 @@ from splitflash.protocol import (
     ProposeItem,
     ProposeReply,
     ProtocolError,
+    QueueClock,
     Release,
     ReleaseReply,
     answer_hello,
@@ -92,6 +93,7 @@ class DraftServer:
             self._ctx.term()
             raise
         self._http = None
+        self.queue = QueueClock()  # replies say how long a message may have queued
 
     def _publish_policy(self) -> None:
         get_policy = getattr(self.drafter, "attention_policy", None)
@@ -127,6 +129,7 @@ class DraftServer:
                 requests=DRAFT_REQUESTS,
                 responses=DRAFT_RESPONSES,
                 on_error=self.metrics.common.count_protocol_error,
+                clock=self.queue,
             )
         finally:
             self.close()
@@ -145,7 +148,7 @@ class DraftServer:
 
     # --- dispatch -------------------------------------------------------------------
     def handle(self, msg, frames):
-        t0 = time.perf_counter()
+        t0, queued = time.perf_counter(), self.queue.waited()
         try:
             match msg:
                 case Hello():
@@ -167,7 +170,7 @@ class DraftServer:
                             f"batch of {len(msg.items)} items exceeds "
                             f"max_batch {self.settings.max_batch}"
                         )
-                    return self._propose(msg, t0)
+                    return self._propose(msg, t0, queued)
                 case Features():
                     return self._features(msg, frames)
                 case Release():
@@ -192,7 +195,7 @@ class DraftServer:
         self.requests[rid] = _OpenRequest(msg.block_size, len(msg.prompt_ids))
         return OpenReply(request_id=rid, base_len=len(msg.prompt_ids))
 
-    def _propose(self, msg: Propose, t0: float) -> ProposeReply:
+    def _propose(self, msg: Propose, t0: float, queued: float) -> ProposeReply:
         now = time.time()
         drafts: dict[int, Draft] = {}
         ready: list[tuple[int, str, int]] = []  # (item index, request id, k)
@@ -218,7 +221,8 @@ class DraftServer:
         self._count_keys_read(max(item.base_len for item in msg.items))
         self._count_forwards()
         ordered = [drafts[i] for i in range(len(msg.items))]
-        return ProposeReply(drafts=ordered, timings={"draft": compute, "total": compute})
+        timings = {"draft": compute, "total": compute, "queued": queued}
+        return ProposeReply(drafts=ordered, timings=timings)
 
     def _prepare(self, item: ProposeItem, now: float) -> Draft | int:
         """Check one item and feed its new tokens to the drafter: k to draft, or a Draft error.

@@ -116,7 +116,7 @@ class Drafting:
             *(self._propose_on(link, group) for link, group in groups.items())
         )
         drafts: dict[str, list[int]] = {}
-        worker_time = 0.0
+        worker_time = queued = 0.0
         for (link, group), reply in zip(groups.items(), replies, strict=True):
             if isinstance(reply, Exception):
                 reason = "deadline" if link.alive else "drafter_down"
@@ -127,6 +127,7 @@ class Drafting:
                     job.drafter_generation = STALE
                 continue
             worker_time = max(worker_time, reply.timings.get("total", 0.0))
+            queued = max(queued, reply.timings.get("queued", 0.0))
             for job, draft in zip(group, reply.drafts, strict=True):
                 if draft.error:
                     fallback[job.request_id] = "error"
@@ -137,6 +138,7 @@ class Drafting:
                 drafts[job.request_id] = list(draft.token_ids)
         if groups:
             timer.worker_time["draft"] = worker_time
+            timer.worker_queued["draft"] = queued
         return drafts, fallback
 
     async def _propose_on(self, link: WorkerLink, jobs: list[Job]) -> ProposeReply | Exception:

@@ -217,7 +217,8 @@ class Orchestrator:
             *(self._verify_on(link, group, drafts) for link, group in groups.items())
         )
         ok = [r for r in replies if not isinstance(r, Exception)]
-        timer.mark("verify", max((r.timings.get("total", 0.0) for r in ok), default=0.0))
+        timer.mark("verify", max((r.timings.get("total", 0.0) for r in ok), default=0.0),
+                   max((r.timings.get("queued", 0.0) for r in ok), default=0.0))  # fmt: skip
         committed: list[int] = []  # commit_len of each request the step served
         for (link, group), reply in zip(groups.items(), replies, strict=True):
             if isinstance(reply, Exception):

@@ -1,11 +1,11 @@
-"""Per-step timing split (draft, verify, transport, schedule) and per-request traces."""
+"""Per-step timing split (draft, verify, queue, transport, schedule) and per-request traces."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from splitflash.services.common.metric_math import GATE_MODES, context_bucket
+from splitflash.services.common.metric_math import GATE_MODES, PHASES, context_bucket
 from splitflash.services.common.metrics import GatewayMetrics, record_spec_step
 from splitflash.services.common.spec_stats import step_invariants
 from splitflash.services.gateway.jobs import Job
@@ -15,30 +15,40 @@ log = logging.getLogger("splitflash.gateway.orchestrator")
 
 
 class StepTimer:
-    """Round trips measured here, compute times reported by the workers; transport is the
-    difference (serialisation, sockets, queueing), schedule is the gateway's own time."""
+    """Round trips measured here, compute and queueing times reported by the workers.
+    queue: what the workers say a message may have waited behind their other work (a prefill
+    chunk, a long feature append), within what the round trip leaves after compute;
+    transport: the rest (serialisation, sockets); schedule: the gateway's own time. Without
+    the queue part a step stalled behind a long prompt's chunk read as slow transport."""
 
     def __init__(self) -> None:
         self.start = self._last = time.perf_counter()
         self.round_trip: dict[str, float] = {}
         self.worker_time: dict[str, float] = {}
+        self.worker_queued: dict[str, float] = {}
 
-    def mark(self, phase: str, worker_seconds: float | None = None) -> None:
+    def mark(
+        self, phase: str, worker_seconds: float | None = None, queued_seconds: float | None = None
+    ) -> None:
         now = time.perf_counter()
         self.round_trip[phase] = now - self._last
         if worker_seconds is not None:
             self.worker_time[phase] = worker_seconds
+        if queued_seconds is not None:
+            self.worker_queued[phase] = queued_seconds
         self._last = now
 
     def phases(self) -> dict[str, float]:
         compute = {p: min(self.worker_time.get(p, rt), rt) for p, rt in self.round_trip.items()}
-        transport = sum(self.round_trip[p] - compute[p] for p in self.round_trip)
+        left = {p: self.round_trip[p] - compute[p] for p in self.round_trip}  # after compute
+        queue = {p: min(max(0.0, self.worker_queued.get(p, 0.0)), left[p]) for p in left}
         total = time.perf_counter() - self.start
         schedule = max(0.0, total - sum(self.round_trip.values()))
         return {
             "draft": compute.get("draft", 0.0),
             "verify": compute.get("verify", 0.0),
-            "transport": transport,
+            "queue": sum(queue.values()),
+            "transport": sum(left[p] - queue[p] for p in left),
             "schedule": schedule,
             "total": total,
         }
@@ -47,7 +57,7 @@ class StepTimer:
         phases = self.phases()
         bucket = context_bucket(max_context)
         metrics.step_seconds.labels(context_bucket=bucket).observe(phases["total"])
-        for phase in ("draft", "verify", "transport", "schedule"):
+        for phase in PHASES:
             metrics.step_phase_seconds.labels(phase=phase).observe(phases[phase])
             metrics.step_phase_by_context_seconds.labels(
                 phase=phase, context_bucket=bucket
@@ -70,6 +80,7 @@ def record_step(job: Job, result, timer: StepTimer, metrics: GatewayMetrics) -> 
             "commit_len": result.commit_len,
             "draft_ms": round(phases["draft"] * 1e3, 3),
             "verify_ms": round(phases["verify"] * 1e3, 3),
+            "queue_ms": round(phases["queue"] * 1e3, 3),
             "transport_ms": round(phases["transport"] * 1e3, 3),
         }
     )

@@ -32,6 +32,7 @@ from splitflash.protocol import (
     Hello,
     Prefill,
     ProtocolError,
+    QueueClock,
     Release,
     ReleaseReply,
     StepResult,
@@ -104,6 +105,7 @@ class VerifyServer:
         self._prefills: list[PrefillJob] = []  # Prefill messages not answered yet (some done)
         self._idle_warmup: IdleWarmUp | None = None  # for feature layers a Hello asked for
         self._http = None
+        self.queue = QueueClock()  # replies say how long a message may have queued
         self._weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         self.update_kv_gauges()
 
@@ -142,6 +144,7 @@ class VerifyServer:
                 responses=VERIFY_RESPONSES,
                 on_error=self.metrics.count_error,
                 on_idle=self._on_idle,
+                clock=self.queue,
             )
         finally:
             self.close()
@@ -169,7 +172,7 @@ class VerifyServer:
 
     # --- dispatch -------------------------------------------------------------------
     def handle(self, msg, frames):
-        t0 = time.perf_counter()
+        t0, queued = time.perf_counter(), self.queue.waited()
         try:
             match msg:
                 case Hello():
@@ -181,7 +184,7 @@ class VerifyServer:
                     return job
                 case Verify():
                     self._check_batch(len(msg.items))
-                    return self._verify(msg, t0)
+                    return self._verify(msg, t0, queued)
                 case Release():
                     return self._release(msg)
                 case _:
@@ -234,8 +237,9 @@ class VerifyServer:
             self._idle_warmup = None
 
     # --- verify ---------------------------------------------------------------------
-    def _verify(self, msg: Verify, t0: float) -> VerifyReply:
-        """ONE engine.verify for every item that passes its checks; "forward" is that call."""
+    def _verify(self, msg: Verify, t0: float, queued: float) -> VerifyReply:
+        """ONE engine.verify for every item that passes its checks; "forward" is that call,
+        "total" the handling, "queued" at most how long the message waited before it."""
         results: dict[int, StepResult] = {}
         inputs: list[tuple[int, VerifyInput]] = []
         now = time.time()
@@ -260,7 +264,8 @@ class VerifyServer:
             results[i] = self.result(report)
         ordered = [results[i] for i in range(len(msg.items))]
         total = time.perf_counter() - t0
-        return VerifyReply(results=ordered, timings={"forward": forward, "total": total})
+        timings = {"forward": forward, "total": total, "queued": queued}
+        return VerifyReply(results=ordered, timings=timings)
 
     def _run_verify(self, inputs: list[VerifyInput]) -> list[StepReport]:
         try:
