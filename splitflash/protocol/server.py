@@ -221,9 +221,12 @@ def serve_one(
 def _receive(sock: zmq.Socket, timeout_ms: int, clock: QueueClock) -> list[zmq.Frame] | None:
     """The next message's frames, or None after timeout_ms without one."""
     if not clock.look(sock):
-        if not timeout_ms or not sock.poll(timeout_ms, zmq.POLLIN):
+        if not timeout_ms:
             return None
-        clock.empty_at = time.perf_counter()  # it came while the loop waited: not queued
+        came = sock.poll(timeout_ms, zmq.POLLIN)
+        clock.empty_at = time.perf_counter()  # empty until now, or it came just now
+        if not came:
+            return None
     return sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
 
 

@@ -212,3 +212,37 @@ def test_a_message_that_waits_behind_a_slice_is_told_so(ctx):
         stop.set()
         loop.join(timeout=T)
         router.close(linger=0)
+
+
+def test_a_message_that_waits_behind_idle_work_is_told_only_that(ctx):
+    """on_idle work (a graph warm-up) runs after a poll of poll_ms finds nothing: a message
+    that comes during it waited for the idle work, not for the poll before it."""
+    started, waited = threading.Event(), []
+    clock = QueueClock()
+
+    def idle() -> None:
+        if not started.is_set():
+            started.set()
+            time.sleep(0.4)
+
+    def handler(msg: Any, frames: list[zmq.Frame]) -> Any:
+        waited.append(clock.waited())
+        return ReleaseReply(released=msg.request_ids)
+
+    router = make_socket(ctx, "router", linger_ms=0)
+    server = Server(ctx, bind(router, "tcp://127.0.0.1:*"))
+    stop = threading.Event()
+    loop = threading.Thread(target=serve_forever, args=(router, handler, stop), daemon=True,
+                            kwargs=dict(requests=DRAFT_REQUESTS, responses=DRAFT_RESPONSES,
+                                        poll_ms=1000, on_idle=idle, clock=clock))  # fmt: skip
+    loop.start()
+    try:
+        peer = server.dealer()
+        assert started.wait(T)  # after one empty poll of 1 s
+        _send(peer, 1, Release(request_ids=["during"]))
+        assert _reply(peer) == (1, ReleaseReply(released=["during"]))
+        assert 0.2 <= waited[0] <= 0.6
+    finally:
+        stop.set()
+        loop.join(timeout=T)
+        router.close(linger=0)
