@@ -80,6 +80,18 @@ def test_a_chunk_below_one_token_is_refused():
     engine = _engine(tiny_model(), 1)
     with pytest.raises(ValueError, match="prefill_chunk must be >= 1, got 0"):
         TargetEngine(engine.model, engine.cache, prefill_chunk=0)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="prefill_chunk_ms must be >= 0"):
+            VerifySettings(prefill_chunk_ms=bad)
+
+
+def test_a_prompt_run_takes_a_smaller_chunk_when_asked_never_a_larger_one():
+    engine = _engine(tiny_model(), 8)
+    run = engine.start_prefill("r", PROMPT, Sampling(), (), 100)
+    run.advance(3)
+    assert run.cached == 3
+    run.advance(100)  # capped at prefill_chunk
+    assert run.cached == 3 + 8
 
 
 def test_a_prompt_run_forwards_one_chunk_per_advance_and_ends_as_prefill_does():

@@ -23,6 +23,11 @@ class VerifySettings:
     # Prompt tokens per prefill forward: longer prompts run in chunks, each attending to the
     # cached ones, so a prefill's activation memory is bounded by a chunk (engine.py).
     prefill_chunk: int = 8192
+    # > 0: while other requests are decoding, each prompt chunk is sized so its forward takes
+    # about this many ms (fewer tokens as the prompt's context grows: chunk_sizer.py), which
+    # bounds what a running stream waits per step during another prompt's admission; 0 =
+    # always prefill_chunk tokens (a chunk at 185k then costs several times one at 8k).
+    prefill_chunk_ms: float = 0.0
     # CUDA only: verify/decode steps replay CUDA graphs captured at batch sizes 1, 2, 4, ...
     # up to graph_max_batch (padded up to the next one; blocks padded to one length where the
     # KV pool has room); bigger steps, and mixed lengths without that room, run eagerly.
@@ -87,6 +92,10 @@ class VerifySettings:
         if self.batch_invariant and self.tp_size > 1:
             raise ValueError("batch_invariant is not supported with tp_size > 1 (the "
                              "all-reduce's order is NCCL's)")  # fmt: skip
+        if not self.prefill_chunk_ms >= 0:
+            raise ValueError(
+                f"prefill_chunk_ms must be >= 0 (0 = off), got {self.prefill_chunk_ms}"
+            )
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
 

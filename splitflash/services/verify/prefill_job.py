@@ -107,9 +107,12 @@ class PrefillJob(Deferred):
             why = f"deadline: passed during prefill ({run.cached} of {len(run.prompt)} tokens)"
             self._end(i, error_result(item.request_id, 0, why))
             return
+        sizer, cached = self.server.chunk_sizer, run.cached
+        # Decoding requests wait for this chunk: sized to the time budget, if one is set.
+        size = None if sizer is None else sizer.tokens(cached, bool(self.server.engine.seqs))
         t = time.perf_counter()
         try:
-            report = run.advance()
+            report = run.advance(size)
         except Exception as e:  # a forward out of memory: the run freed its pages
             self._run = None
             self._failed(i, e)
@@ -117,7 +120,10 @@ class PrefillJob(Deferred):
         finally:
             self.forward += time.perf_counter() - t
         # advance() synced the device after a non-final chunk: the wall time is the chunk's
-        self.server.metrics.observe_prefill_chunk(run.cached, time.perf_counter() - t)
+        seconds = time.perf_counter() - t
+        self.server.metrics.observe_prefill_chunk(run.cached, seconds)
+        if sizer is not None:
+            sizer.observe(run.cached - cached, cached, seconds)
         if report is not None:
             self._run = None
             self.outcomes[i] = report  # its last chunk's rows go with the reply

@@ -1,11 +1,12 @@
 """One prompt's prefill, run a chunk at a time (TargetEngine.start_prefill).
 
-Each `advance()` runs ONE forward over <= prefill_chunk prompt tokens, attending to the
-chunks already cached, and returns the StepReport after the last one. The verify server
-serves other messages between chunks (other requests' verify steps, heartbeats, a Release
-of this very request), so a 185k-token prompt delays them by one chunk's forward instead of
-its whole prefill, as vLLM's chunked prefill does. The engine's own `prefill()` runs every
-chunk in one call (the one-process CLI, tests, benchmarks).
+Each `advance()` runs ONE forward over <= prefill_chunk prompt tokens (fewer if asked:
+chunk_sizer.py), attending to the chunks already cached, and returns the StepReport after
+the last one. The verify server serves other messages between chunks (other requests'
+verify steps, heartbeats, a Release of this very request), so a 185k-token prompt delays
+them by one chunk's forward instead of its whole prefill, as vLLM's chunked prefill does.
+The engine's own `prefill()` runs every chunk in one call (the one-process CLI, tests,
+benchmarks).
 
 Whatever way a run ends early (a forward that raises, `abort()`), it leaves no pages behind.
 """
@@ -67,16 +68,18 @@ class PromptRun:
         self._hidden: list[torch.Tensor] = []  # feature rows of each chunk: [chunk, F]
 
     @property
-    def chunks_left(self) -> int:
+    def chunks_left(self) -> int:  # at prefill_chunk tokens each
         return -(-(len(self.prompt) - self.cached) // self.engine.prefill_chunk)
 
     @torch.inference_mode()
-    def advance(self) -> StepReport | None:
-        """One chunk into the KV cache; after the last one, commit the first token."""
+    def advance(self, max_tokens: int | None = None) -> StepReport | None:
+        """One chunk of at most max_tokens (default and cap: prefill_chunk) into the KV
+        cache; after the last one, commit the first token."""
         if self.ended:
             raise RuntimeError(f"prefill of {self.request_id!r} already ended")
         e, lo = self.engine, self.cached
-        part = self.prompt[lo : lo + e.prefill_chunk]
+        size = e.prefill_chunk if max_tokens is None else max(1, min(max_tokens, e.prefill_chunk))
+        part = self.prompt[lo : lo + size]
         try:
             rows = torch.tensor([len(part) - 1], device=e.device)
             out = e.model(e._batch([(self.request_id, part, lo)]), e.cache, rows,

@@ -42,6 +42,7 @@ from splitflash.protocol import (
     serve_forever,
 )
 from splitflash.protocol.security import client_curve_from, open_router, server_curve_from
+from splitflash.services.verify.chunk_sizer import ChunkSizer
 from splitflash.services.verify.config import VerifySettings
 from splitflash.services.verify.draft_link import DraftLink, DraftLinks, host_copies
 from splitflash.services.verify.engine import DesyncError, StepReport, TargetEngine, VerifyInput
@@ -103,6 +104,8 @@ class VerifyServer:
         )
         self.feature_peers: dict[str, DraftLink] = {}  # request -> its data-plane link
         self._prefills: list[PrefillJob] = []  # Prefill messages not answered yet (some done)
+        ms = settings.prefill_chunk_ms  # the sizer None: every chunk prefill_chunk tokens
+        self.chunk_sizer = ChunkSizer(ms / 1e3, engine.prefill_chunk) if ms > 0 else None
         self._idle_warmup: IdleWarmUp | None = None  # for feature layers a Hello asked for
         self._http = None
         self.queue = QueueClock()  # replies say how long a message may have queued
