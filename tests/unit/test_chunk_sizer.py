@@ -94,3 +94,13 @@ def test_costs_that_fall_with_context_give_no_negative_term():
     a, b = sizer.coefficients()
     assert a >= 0 and b >= 0 and (a > 0 or b > 0)
     assert MIN_CHUNK <= sizer.tokens(50_000, True) <= 8192
+
+
+def test_one_very_slow_chunk_does_not_shrink_the_ones_after_it():
+    """A first chunk that also compiled kernels (100x its cost) is left out of the fit."""
+    clean, spiked = ChunkSizer(0.05, 8192), ChunkSizer(0.05, 8192)
+    run_prompt(clean, 3 * 8192)
+    spiked.observe(8192, 0, 100 * cost(8192, 0))
+    run_prompt(spiked, 3 * 8192)
+    for c in (32_768, 185_000):
+        assert spiked.tokens(c, True) == pytest.approx(clean.tokens(c, True), rel=0.01)

@@ -22,6 +22,7 @@ from collections import deque
 
 MIN_CHUNK = 256  # never fewer prompt tokens a chunk: a prompt must progress at a sane rate
 HISTORY = 64  # chunks the fit uses (the latest: load and clocks drift)
+OUTLIER = 4.0  # a chunk this many times slower than the others' fit says is left out
 
 
 class ChunkSizer:
@@ -39,25 +40,20 @@ class ChunkSizer:
             self._seen.append((float(tokens), tokens * (cached + tokens / 2), seconds))
 
     def coefficients(self) -> tuple[float, float] | None:
-        """(a, b) >= 0 of the least-squares fit, or None before any chunk was seen."""
+        """(a, b) >= 0 of the least-squares fit, or None before any chunk was seen. One chunk
+        far slower than the fit of the others says (a first call's compile, a GPU shared for
+        a moment) is left out: kept, it would shrink the next HISTORY chunks."""
         if not self._seen:
             return None
-        saa = sab = sbb = say = sby = 0.0
-        for xa, xb, y in self._seen:
-            saa, sab, sbb = saa + xa * xa, sab + xa * xb, sbb + xb * xb
-            say, sby = say + xa * y, sby + xb * y
-        det = saa * sbb - sab * sab
-        if det > 1e-9 * saa * sbb:  # chunks at different context-to-size ratios
-            a, b = (say * sbb - sby * sab) / det, (sby * saa - say * sab) / det
-            if a >= 0 and b >= 0:
-                return a, b
-        # One ratio seen so far (or a negative term): the one-term fit that explains more;
-        # on a tie attention's, whose chunks shrink as the context grows (the linears' alone
-        # would keep them as big and overrun the budget at long context).
-        b_only, a_only = sby / sbb, say / saa
-        err_b = sum((y - b_only * xb) ** 2 for _, xb, y in self._seen)
-        err_a = sum((y - a_only * xa) ** 2 for xa, _, y in self._seen)
-        return (0.0, b_only) if err_b <= err_a else (a_only, 0.0)
+        seen = list(self._seen)
+        a, b = _fit(seen)
+        if len(seen) >= 3:
+            worst = max(range(len(seen)), key=lambda i: seen[i][2] / _cost(a, b, seen[i]))
+            rest = seen[:worst] + seen[worst + 1 :]
+            a_r, b_r = _fit(rest)
+            if seen[worst][2] > OUTLIER * _cost(a_r, b_r, seen[worst]):
+                return a_r, b_r
+        return a, b
 
     def tokens(self, cached: int, others_waiting: bool) -> int:
         """Prompt tokens for the chunk after `cached`: prefill_chunk unless requests wait."""
@@ -74,3 +70,27 @@ class ChunkSizer:
         else:
             return self.max_tokens  # chunks that cost nothing measurable
         return int(min(self.max_tokens, max(self.min_tokens, n)))
+
+
+def _cost(a: float, b: float, seen: tuple[float, float, float]) -> float:
+    return max(a * seen[0] + b * seen[1], 1e-12)
+
+
+def _fit(seen: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares of seconds = a x_a + b x_b over (x_a, x_b, seconds); a, b >= 0."""
+    saa = sab = sbb = say = sby = 0.0
+    for xa, xb, y in seen:
+        saa, sab, sbb = saa + xa * xa, sab + xa * xb, sbb + xb * xb
+        say, sby = say + xa * y, sby + xb * y
+    det = saa * sbb - sab * sab
+    if det > 1e-9 * saa * sbb:  # chunks at different context-to-size ratios
+        a, b = (say * sbb - sby * sab) / det, (sby * saa - say * sab) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    # One ratio seen so far (or a negative term): the one-term fit that explains more; on a
+    # tie attention's, whose chunks shrink as the context grows (the linears' alone would
+    # keep them as big and overrun the budget at long context).
+    b_only, a_only = sby / sbb, say / saa
+    err_b = sum((y - b_only * xb) ** 2 for _, xb, y in seen)
+    err_a = sum((y - a_only * xa) ** 2 for xa, _, y in seen)
+    return (0.0, b_only) if err_b <= err_a else (a_only, 0.0)
