@@ -43,6 +43,7 @@ from splitflash.diagnosis.step_rules import (
     metrics_contradict,
     speculation_paused,
     stats_disagree,
+    steps_queued,
 )
 
 __all__ = ["RULES", "Row", "ctx", "diagnose"]
@@ -57,6 +58,7 @@ RULES: tuple[Callable[[Sequence[Row], PolicyInfo], Finding | None], ...] = (
     acceptance_falls,
     drafter_silent,
     speculation_paused,
+    steps_queued,
     graph_capture_failed,
     steps_not_graphed,
     graphs_evicted,

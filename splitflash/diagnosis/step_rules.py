@@ -1,5 +1,6 @@
 """Rules on the per-step figures themselves (DESIGN §4): stuck commit_len, figures that
-contradict each other, stats that disagree, a silent drafter, counted invariant breaks.
+contradict each other, stats that disagree, a silent drafter, counted invariant breaks,
+steps that waited behind a worker's other work.
 Pure: (rows, policy) -> Finding | None; row keys are listed in rules.py."""
 
 from __future__ import annotations
@@ -146,5 +147,25 @@ def speculation_paused(rows: Sequence[Row], policy: PolicyInfo) -> Finding | Non
                 f" plain decoding was faster there than drafting with {policy.drafter or 'the'}"
                 f" drafter{drafted}. Requests run at about target-only speed; the drafter does "
                 f"not pay here (see the other findings for why)",
+            )
+    return None
+
+
+QUEUED_SHARE = 0.3  # the StepsQueuedBehindOtherWork alert's threshold, same meaning
+
+
+def steps_queued(rows: Sequence[Row], policy: PolicyInfo) -> Finding | None:
+    """Steps that spent a large share of their time queued in a worker behind its other
+    work: the deployment is busy admitting other requests (or a worker is shared), so the
+    step times measured here are not the steps' own."""
+    for r in judged(rows):
+        queued, step = num(r, "queue_ms"), num(r, "step_ms")
+        if queued is not None and step and queued > QUEUED_SHARE * step:
+            return Finding(
+                "steps_queued",
+                f"steps at {ctx(r['context'])} waited {queued:.1f} ms of their {step:.1f} ms "
+                f"in a worker's queue behind its other work (other requests' prompt chunks, "
+                f"a long feature append): the step times here include that wait. If streams "
+                f"stall while long prompts are admitted, set SPLITFLASH_VERIFY_PREFILL_CHUNK_MS",
             )
     return None

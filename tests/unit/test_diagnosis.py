@@ -402,3 +402,15 @@ def test_unreachable_or_unknown_worker_metrics_leave_a_note_naming_the_option():
         "draft worker metrics not read (0 draft workers behind the gateway): pass "
         "--draft-metrics URL",
     ]
+
+
+def test_steps_queued_behind_other_work_are_named():
+    """queue_ms over 30% of the step (the alert's threshold): the step times include
+    waiting for other requests' prompt chunks; at 20% nothing is said."""
+    busy = row(32_000, step_ms=50.0, queue_ms=20.0)
+    found = diagnose([row(1400, queue_ms=0.1), busy], PolicyInfo(drafter="dflash"))
+    assert codes(found) == ["steps_queued"]
+    msg = by_code(found, "steps_queued").message
+    assert "steps at 32k waited 20.0 ms of their 50.0 ms" in msg
+    assert "SPLITFLASH_VERIFY_PREFILL_CHUNK_MS" in msg
+    assert diagnose([row(32_000, step_ms=50.0, queue_ms=10.0)], PolicyInfo(drafter="dflash")) == []
