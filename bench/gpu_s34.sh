@@ -6,8 +6,9 @@
 #        issue's shape (q 16; batch 1 x 8k / 32k / 128k, batch 8 x 32k) and the default
 #        model's (185k, 32k); each compiled variant's registers and shared memory; the paged
 #        kernels' GPU tests with bf16 partials
-#   bash bench/gpu_s34.sh m   (~200 s) fewer rows per program than the request has (16 / 32 of
-#        q 16 x G 4 = 64: K/V re-read from L2, fewer splits and partials) against 64
+#   bash bench/gpu_s34.sh m   (~260 s) fewer rows per program than the request has (16 / 32 of
+#        q 16 x G 4 = 64: K/V re-read from L2, fewer splits and partials) against 64; then a
+#        185k prompt in chunks sized to 50 / 100 ms (PREFILL_CHUNK_MS) beside chunks of 8192
 #   bash bench/gpu_s34.sh q   (~140 s, for a short device budget) mode p's issue shape only
 source bench/gpu_setup.sh
 
@@ -57,6 +58,8 @@ fi
 if [ "$1" = m ]; then
   sweep fp32 150 issue_block_m --points 1:32768:16 1:8192:16 8:32768:16 \
     --configs 64,4,3 32,4,3 --block-m 16 32 64 --waves 1 1.5 2 3
+  timeout 90 python3 -m bench.prefill --shape smollm2-135m --contexts 185000 --chunks 8192 \
+    --chunk-ms 50 100 --reps 2 --json-out "$OUT/prefill_chunk_ms.json" 2>&1 | grep "^ctx"
 fi
 if [ "$1" = p ] || [ "$1" = q ]; then
   SPLITFLASH_ATTN_PARTIALS=input timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -12,6 +12,9 @@ up (kernels, autotuning), then --reps times.
     python -m bench.prefill --device cpu --contexts 600 --chunks 0 128 --reps 1   # smoke
 
 A chunk of 0 is the whole prompt in one forward (the engine's behaviour before chunking).
+--chunk-ms MS sizes chunks as the verify server does with PREFILL_CHUNK_MS while streams
+decode (chunk_sizer.py, at most the largest --chunks tokens each; the warm-up trains it):
+    python -m bench.prefill --shape smollm2-135m --contexts 185000 --chunks 8192 --chunk-ms 50 100
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ import time
 from pathlib import Path
 
 
-def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool) -> dict:
+def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool,
+            budget_ms: float | None = None) -> dict:  # fmt: skip
     import torch
 
+    from splitflash.services.verify.chunk_sizer import ChunkSizer
     from splitflash.services.verify.sampling import Sampling
 
     engine.prefill_chunk = chunk or len(prompt)
-    seconds, slowest, peaks = [], [], []
+    sizer = ChunkSizer(budget_ms / 1e3, engine.prefill_chunk) if budget_ms else None
+    seconds, slowest, peaks, counts = [], [], [], []
     for i in range(reps + 1):  # the first one warms up
         if cuda:
             torch.cuda.synchronize()
@@ -39,17 +45,23 @@ def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool) -> dic
         run = engine.start_prefill(f"p{i}", prompt, Sampling(), (), 2)
         chunk_s, report = [], None
         while report is None:
+            cached = run.cached
+            size = None if sizer is None else sizer.tokens(cached, others_waiting=True)
             t0 = time.perf_counter()
-            report = run.advance()
+            report = run.advance(size)
             if cuda:
                 torch.cuda.synchronize()
             chunk_s.append(time.perf_counter() - t0)
+            if sizer is not None:
+                sizer.observe(run.cached - cached, cached, chunk_s[-1])
         if cuda:
             peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
         seconds.append(sum(chunk_s))
         slowest.append(max(chunk_s))
+        counts.append(len(chunk_s))
         engine.release(f"p{i}")
-    return dict(context=len(prompt), chunk=chunk, seconds=statistics.median(seconds[1:]),
+    return dict(context=len(prompt), chunk=chunk, budget_ms=budget_ms,
+                seconds=statistics.median(seconds[1:]), chunks=counts[-1],
                 slowest_chunk_s=statistics.median(slowest[1:]),
                 peak_gib=max(peaks[1:]) if cuda else None)  # fmt: skip
 
@@ -63,24 +75,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[32768, 185_000])
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 8192, 2048])
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--chunk-ms", type=float, nargs="*", default=[],
+                   help="also: chunks sized to this many ms each, as PREFILL_CHUNK_MS does "
+                   "while streams decode (at most the largest --chunks)")  # fmt: skip
     p.add_argument("--json-out", type=Path, default=None)
     p.add_argument("--shape", default=None,
                    help="a bench.verify_step shape with random bf16 weights and a random "
                    "prompt, instead of --target's checkpoint (CUDA only)")  # fmt: skip
     args = p.parse_args(argv)
-    if any(c < 0 for c in args.chunks) or args.reps < 1:
-        p.error("--chunks must be >= 0 (0: whole prompt) and --reps >= 1")
+    if any(c < 0 for c in args.chunks) or args.reps < 1 or any(m <= 0 for m in args.chunk_ms):
+        p.error("--chunks must be >= 0 (0: whole prompt), --reps >= 1, --chunk-ms > 0")
     engine, prompts = _random_setup(args) if args.shape else _checkpoint_setup(args)
     cuda = args.device.startswith("cuda")
     rows = []
     for ctx in args.contexts:
         prompt = prompts(ctx)
-        for chunk in args.chunks:
-            row = measure(engine, prompt, chunk, args.reps, cuda)
+        cap = max(args.chunks) or len(prompt)
+        runs = [(c, None) for c in args.chunks] + [(cap, ms) for ms in args.chunk_ms]
+        for chunk, budget_ms in runs:
+            row = measure(engine, prompt, chunk, args.reps, cuda, budget_ms)
             rows.append(row)
             peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
-            print(f"ctx {ctx:>7} chunk {chunk or 'whole':>6}: {row['seconds']:.3f} s, slowest "
-                  f"chunk {row['slowest_chunk_s']:.3f} s{peak}", flush=True)  # fmt: skip
+            name = f"{budget_ms:g} ms" if budget_ms else chunk or "whole"
+            print(f"ctx {ctx:>7} chunk {name:>6}: {row['seconds']:.3f} s in {row['chunks']} "
+                  f"chunks, slowest chunk {row['slowest_chunk_s']:.3f} s{peak}",
+                  flush=True)  # fmt: skip
     if args.json_out:
         meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu",
                     target=args.shape or args.target, random_weights=bool(args.shape))  # fmt: skip
