@@ -51,9 +51,9 @@ from splitflash.protocol.messages import (
     VerifyItem,
     VerifyReply,
 )
+from splitflash.protocol.queue_clock import QueueClock
 from splitflash.protocol.server import (
     Deferred,
-    QueueClock,
     answer_hello,
     serve_forever,
     serve_one,

@@ -34,6 +34,7 @@ from splitflash.protocol import (
     make_socket,
 )
 from splitflash.protocol.security import CurveClient
+from splitflash.services.verify.requests import StepReport
 
 log = logging.getLogger(__name__)
 
@@ -240,3 +241,24 @@ class DraftLinks:
     def close(self) -> None:
         for link in self._by_addr.values():
             link.close()
+
+
+def send_step_features(
+    peers: dict[str, DraftLink], reports: list[StepReport], layer_ids: tuple[int, ...]
+) -> None:
+    """Features of a step's reports to the drafters of their requests (peers: request ->
+    link): one device->host copy for all of them, then one pipelined exchange per link
+    (DraftLink.send_many). Reports without features, errors and unlinked requests: none."""
+    sent = [
+        (peers[r.request_id], r)
+        for r in reports
+        if r.error is None and r.features is not None and r.request_id in peers
+    ]
+    if not sent:
+        return
+    rows = host_copies([r.features for _, r in sent])
+    by_link: dict[DraftLink, list[tuple[str, int, torch.Tensor]]] = {}
+    for (link, r), feats in zip(sent, rows, strict=True):
+        by_link.setdefault(link, []).append((r.request_id, r.feature_start, feats))
+    for link, batch in by_link.items():
+        link.send_many(batch, layer_ids)

@@ -20,10 +20,8 @@ import os
 import threading
 import time
 
-import torch
 import zmq
 
-from splitflash.models.graphs import graphs_summary
 from splitflash.protocol import (
     VERIFY_REQUESTS,
     VERIFY_RESPONSES,
@@ -44,13 +42,14 @@ from splitflash.protocol import (
 from splitflash.protocol.security import client_curve_from, open_router, server_curve_from
 from splitflash.services.verify.chunk_sizer import ChunkSizer
 from splitflash.services.verify.config import VerifySettings
-from splitflash.services.verify.draft_link import DraftLink, DraftLinks, host_copies
+from splitflash.services.verify.draft_link import DraftLink, DraftLinks, send_step_features
 from splitflash.services.verify.engine import DesyncError, StepReport, TargetEngine, VerifyInput
 from splitflash.services.verify.metrics_server import build_verify_metrics, start_metrics_http
 from splitflash.services.verify.prefill_job import PrefillJob
 from splitflash.services.verify.steps import (
     bytes_read,
     committed_len,
+    describe_engine,
     error_result,
     step_result,
     verify_precheck,
@@ -114,20 +113,7 @@ class VerifyServer:
 
     # --- lifecycle ------------------------------------------------------------------
     def describe(self) -> dict[str, str]:
-        e = self.engine
-        page_tokens = e.cache.num_pages * e.cache.page_size
-        graphs = getattr(e, "graphs", None)  # None: eager steps (CPU, graphs off, TP)
-        return {
-            "device": str(e.device),
-            "dtype": str(e.model.embed_tokens.weight.dtype).removeprefix("torch."),
-            "attention_backend": e.model.backend.name,
-            "kv_pool": f"{e.cache.num_pages} pages x {e.cache.page_size} = {page_tokens} tokens",
-            "max_context": str(e.max_context),
-            "cuda_graphs": graphs_summary(graphs),
-            # the gateway warns when it batches more requests than this (0 = no graphs)
-            "graph_max_batch": str(max(graphs.batch_sizes) if graphs else 0),
-            "metrics_port": str(self.settings.metrics_port),  # doctor finds /metrics by it
-        }
+        return describe_engine(self.engine, self.settings.metrics_port)
 
     def serve(self) -> None:
         """Serve until `stop()` (or SIGTERM via __main__); closes everything on the way out."""
@@ -284,21 +270,8 @@ class VerifyServer:
         return reports
 
     def send_features(self, reports: list[StepReport]) -> None:
-        """Features of a step's reports to their drafters: one device->host copy for all of
-        them, then one pipelined exchange per draft peer (DraftLink.send_many)."""
-        sent = [
-            (self.feature_peers[r.request_id], r)
-            for r in reports
-            if r.error is None and r.features is not None and r.request_id in self.feature_peers
-        ]
-        if not sent:
-            return
-        rows = host_copies([r.features for _, r in sent])
-        by_link: dict[DraftLink, list[tuple[str, int, torch.Tensor]]] = {}
-        for (link, r), feats in zip(sent, rows, strict=True):
-            by_link.setdefault(link, []).append((r.request_id, r.feature_start, feats))
-        for link, batch in by_link.items():
-            link.send_many(batch, self.engine.feature_layer_ids)
+        """Features of a step's reports to their drafters (draft_link.send_step_features)."""
+        send_step_features(self.feature_peers, reports, self.engine.feature_layer_ids)
 
     # --- release --------------------------------------------------------------------
     def _release(self, msg: Release) -> ReleaseReply:

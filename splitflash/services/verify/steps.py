@@ -1,10 +1,12 @@
 """Pure helpers of the verify server: per-item checks and engine reports -> wire results.
 
-No sockets, no metrics: plain functions over the engine's state and messages.
+No sockets, no metrics: plain functions over the engine's state and messages, and the
+engine's description its Hello replies carry.
 """
 
 from __future__ import annotations
 
+from splitflash.models.graphs import graphs_summary
 from splitflash.protocol import StepResult, VerifyItem
 from splitflash.services.verify.engine import StepReport, TargetEngine
 
@@ -67,3 +69,21 @@ def bytes_read(engine: TargetEngine, base_lens: list[int], weight_bytes: int) ->
     kv = engine.cache.k  # [L, P, S, H_KV, D]; K and V both read
     per_token = 2 * kv.shape[0] * kv.shape[3] * kv.shape[4] * kv.element_size()
     return sum(base_lens) * per_token + weight_bytes
+
+
+def describe_engine(engine: TargetEngine, metrics_port: int) -> dict[str, str]:
+    """What the verify service runs on, for its start-up log and its Hello replies."""
+    e = engine
+    page_tokens = e.cache.num_pages * e.cache.page_size
+    graphs = getattr(e, "graphs", None)  # None: eager steps (CPU, graphs off, TP)
+    return {
+        "device": str(e.device),
+        "dtype": str(e.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "attention_backend": e.model.backend.name,
+        "kv_pool": f"{e.cache.num_pages} pages x {e.cache.page_size} = {page_tokens} tokens",
+        "max_context": str(e.max_context),
+        "cuda_graphs": graphs_summary(graphs),
+        # the gateway warns when it batches more requests than this (0 = no graphs)
+        "graph_max_batch": str(max(graphs.batch_sizes) if graphs else 0),
+        "metrics_port": str(metrics_port),  # doctor finds /metrics by it
+    }
