@@ -44,6 +44,7 @@ from splitflash.services.common.metric_math import METRICS, PREFIX, context_buck
 from splitflash.services.common.metrics import draft_metrics, publish_attention_policy
 from splitflash.services.draft.batching import propose_all
 from splitflash.services.draft.config import DraftSettings
+from splitflash.services.draft.drafter_counts import count_drafter_work
 from splitflash.services.draft.registry import Drafter, build_drafter, drafter_facts
 
 log = logging.getLogger(__name__)
@@ -218,8 +219,7 @@ class DraftServer:
                 drafts[i] = Draft(request_id=rid, token_ids=got, base_len=base_len)
         compute = time.perf_counter() - t0
         self.draft_seconds.observe(compute)
-        self._count_keys_read(max(item.base_len for item in msg.items))
-        self._count_forwards()
+        count_drafter_work(self.drafter, self.metrics, max(item.base_len for item in msg.items))
         ordered = [drafts[i] for i in range(len(msg.items))]
         timings = {"draft": compute, "total": compute, "queued": queued}
         return ProposeReply(drafts=ordered, timings=timings)
@@ -254,26 +254,6 @@ class DraftServer:
             return _no_draft(rid, state.base_len, f"{type(e).__name__}: {e}")
         state.base_len = item.base_len
         return max(0, min(item.max_drafts, state.block_size - 1))
-
-    def _count_keys_read(self, longest: int) -> None:
-        pop = getattr(self.drafter, "pop_keys_read", None)
-        if not callable(pop):
-            return
-        bucket = context_bucket(longest)
-        for kind, n in pop().items():
-            self.metrics.draft_kv_keys_read.labels(layer_kind=kind, context_bucket=bucket).inc(n)
-
-    def _count_forwards(self) -> None:
-        pop = getattr(self.drafter, "pop_forwards", None)  # drafters with a forward (DFlash)
-        if not callable(pop):
-            return
-        for mode, n in pop().items():
-            self.metrics.draft_forwards.labels(mode=mode).inc(n)
-        self.metrics.draft_graph_capture_failed.set(int(self.drafter.graph_capture_failed))
-        n, seconds = self.drafter.pop_capture_stats()
-        self.metrics.draft_graph_captures.inc(n)
-        self.metrics.draft_graph_capture_seconds.inc(seconds)
-        self.metrics.draft_graph_evictions.inc(self.drafter.pop_graph_evictions())
 
     def _features(self, msg: Features, frames) -> FeaturesAck:
         rid = msg.request_id
