@@ -146,8 +146,12 @@ class Orchestrator:
         opening = [j for j in batch if j.draft is not None and j.draft.alive]
         await asyncio.gather(*(self.drafting.open(j) for j in opening))
         self.prefilling.extend(batch)
-        for link, jobs in group_by(batch, lambda j: j.verify).items():
-            task = asyncio.create_task(self._prefill_on(link, jobs), name="prefill")
+        # One Prefill per request: a worker runs its open Prefills a chunk each in turn, so a
+        # short prompt admitted beside a long one starts decoding after its own chunk. (The
+        # items of one Prefill run one after the other and share its reply: batched, every
+        # request waited for the longest prompt's whole prefill.)
+        for job in batch:
+            task = asyncio.create_task(self._prefill_on(job.verify, [job]), name="prefill")
             self._prefills.add(task)
             task.add_done_callback(self._prefills.discard)
 
