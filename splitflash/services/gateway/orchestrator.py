@@ -151,51 +151,49 @@ class Orchestrator:
         # items of one Prefill run one after the other and share its reply: batched, every
         # request waited for the longest prompt's whole prefill.)
         for job in batch:
-            task = asyncio.create_task(self._prefill_on(job.verify, [job]), name="prefill")
+            task = asyncio.create_task(self._prefill_on(job), name="prefill")
             self._prefills.add(task)
             task.add_done_callback(self._prefills.discard)
 
-    async def _prefill_on(self, link: WorkerLink, jobs: list[Job]) -> None:
-        """Prefill `jobs` on their verify worker; then they join the running batch (those
-        still wanted) and the loop wakes."""
+    async def _prefill_on(self, job: Job) -> None:
+        """Prefill `job` on its verify worker; then it joins the running batch (if still
+        wanted) and the loop wakes."""
+        link = job.verify
         try:
-            reply = await self._call_prefill(link, jobs)
-            for job in jobs:
-                self.prefilling.remove(job)
-                if not job.done:  # cancelled while prefilling: _reap released it already
-                    self.running.append(job)
-            self._prefilled(link, jobs, reply)
-        except Exception:  # a bug must not leave the requests hanging: fail them
+            reply = await self._call_prefill(link, job)
+            self.prefilling.remove(job)
+            if not job.done:  # cancelled while prefilling: _reap released it already
+                self.running.append(job)
+            self._prefilled(link, job, reply)
+        except Exception:  # a bug must not leave the request hanging: fail it
             log.exception("prefill on %s failed", link.addr)
-            for job in jobs:
-                fail(job, 500, "internal error in the scheduler", "internal")
-            self.prefilling = [j for j in self.prefilling if j not in jobs]
+            fail(job, 500, "internal error in the scheduler", "internal")
+            self.prefilling = [j for j in self.prefilling if j is not job]
         finally:
             self._wake.set()
 
-    async def _call_prefill(self, link: WorkerLink, jobs: list[Job]) -> PrefillReply | Exception:
-        timeout = self.settings.prefill_timeout_s(sum(j.base_len for j in jobs))
-        deadline = time.time() + timeout
-        for j in jobs:
-            j.attempts += 1
-            j.verify_generation = link.generation
-        items = prefill_items(jobs, deadline, self.drafting.draft_peer)
+    async def _call_prefill(self, link: WorkerLink, job: Job) -> PrefillReply | Exception:
+        timeout = self.settings.prefill_timeout_s(job.base_len)
+        job.attempts += 1
+        job.verify_generation = link.generation
+        items = prefill_items([job], time.time() + timeout, self.drafting.draft_peer)
         try:
             reply, _ = await link.call(Prefill(items=items), timeout_s=timeout, expect=PrefillReply)
-        except Exception as exc:  # noqa: BLE001 - handled per worker by the caller
+        except Exception as exc:  # noqa: BLE001 - handled by the caller
             return exc
         return reply
 
-    def _prefilled(self, link: WorkerLink, jobs: list[Job], reply: PrefillReply | Exception):
+    def _prefilled(self, link: WorkerLink, job: Job, reply: PrefillReply | Exception):
         if isinstance(reply, Exception):
-            self._worker_failed(link, [j for j in jobs if not j.done], reply)
+            if not job.done:
+                self._worker_failed(link, [job], reply)
             return
-        for job, result in zip(jobs, reply.results, strict=True):
-            if result.error:
-                status = 400 if "context" in result.error or "prompt" in result.error else 503
-                fail(job, status, result.error, "prefill_failed")
-            else:
-                commit(job, result.committed_ids, result.finished_reason, self.metrics)
+        (result,) = reply.results
+        if result.error:
+            status = 400 if "context" in result.error or "prompt" in result.error else 503
+            fail(job, status, result.error, "prefill_failed")
+        else:
+            commit(job, result.committed_ids, result.finished_reason, self.metrics)
 
     async def _step(self) -> None:
         timer = StepTimer()
