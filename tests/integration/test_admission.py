@@ -15,7 +15,6 @@ import time
 import pytest
 
 from splitflash.services.gateway.config import GatewaySettings
-from splitflash.services.gateway.runtime import GatewayRuntime
 from tests.integration.test_prefill_interleaving import (
     LONG,
     SHORT,
@@ -24,6 +23,7 @@ from tests.integration.test_prefill_interleaving import (
     before_each_forward,
     target_only,
     verify_server,
+    with_gateway,
 )
 from tests.integration.workers_harness import running
 
@@ -35,20 +35,15 @@ def test_a_short_prompt_admitted_with_a_long_one_streams_before_the_long_one_sta
         before_each_forward(v, lambda: time.sleep(0.005))  # 200 chunks: ~1 s of prefill
         settings = GatewaySettings(verify_addr=v.endpoint, draft_addr="")
 
-        async def go():
-            runtime = GatewayRuntime(settings, tokenizer=None)
-            await runtime.start()
-            try:
-                arrivals: list[tuple[float, str, int]] = []
-                long, short = _job("long", LONG, 4), _job("short", SHORT, 20)
-                runtime.orchestrator.submit(long)  # no await between: one admission batch
-                runtime.orchestrator.submit(short)
-                outs = await asyncio.gather(_collect(long, arrivals), _collect(short, arrivals))
-                return outs, arrivals
-            finally:
-                await runtime.stop()
+        async def go(runtime):
+            arrivals: list[tuple[float, str, int]] = []
+            long, short = _job("long", LONG, 4), _job("short", SHORT, 20)
+            runtime.orchestrator.submit(long)  # no await between: one admission batch
+            runtime.orchestrator.submit(short)
+            outs = await asyncio.gather(_collect(long, arrivals), _collect(short, arrivals))
+            return outs, arrivals
 
-        (long_ids, short_ids), arrivals = asyncio.run(go())
+        (long_ids, short_ids), arrivals = with_gateway(settings, go)
     first = {rid: min(t for t, r, _ in arrivals if r == rid) for rid in ("long", "short")}
     short_done = max(t for t, r, _ in arrivals if r == "short")
     assert short_done < first["long"], (first, short_done)  # all 20 before the long's first

@@ -192,6 +192,20 @@ def test_each_prefill_chunk_is_timed_by_the_context_it_reaches():
         assert 5 * 0.02 <= sample(name + "_sum", labels) < reply.timings["total"]
 
 
+def with_gateway(settings: GatewaySettings, body):
+    """What `await body(runtime)` gives on a gateway runtime started for it, stopped after."""
+
+    async def go():
+        runtime = GatewayRuntime(settings, tokenizer=None)
+        await runtime.start()
+        try:
+            return await body(runtime)
+        finally:
+            await runtime.stop()
+
+    return asyncio.run(go())
+
+
 def _job(rid: str, prompt: list[int], n: int) -> Job:
     return Job(request_id=rid, prompt_ids=list(prompt), max_tokens=n, temperature=0.0,
                top_p=1.0, top_k=0, seed=None, spec_enabled=False, block_size=4)  # fmt: skip
@@ -214,32 +228,27 @@ def test_the_gateway_keeps_streaming_while_a_long_prompt_prefills():
     with running(verify_server()) as v:
         settings = GatewaySettings(verify_addr=v.endpoint, draft_addr="")
 
-        async def go():
-            runtime = GatewayRuntime(settings, tokenizer=None)
-            await runtime.start()
-            try:
-                arrivals: list[tuple[float, str, int]] = []
-                stream = _job("stream", SHORT, 60)
-                runtime.orchestrator.submit(stream)
-                streaming = asyncio.create_task(_collect(stream, arrivals))
-                while not arrivals:  # the stream has started
-                    await asyncio.sleep(0.005)
-                late = _job("late", LONG, 4)
-                submitted = time.monotonic()
-                runtime.orchestrator.submit(late)
-                seen = []  # /ready's counts while the long prompt prefills
-                for _ in range(1000):  # bounded: until its Prefill is sent
-                    if runtime.orchestrator.prefilling:
-                        status = runtime.status()
-                        seen.append((status["prefilling"], status["running"]))
-                        break
-                    await asyncio.sleep(0.001)
-                outs = await asyncio.gather(streaming, _collect(late, arrivals))
-                return outs, arrivals, submitted, seen
-            finally:
-                await runtime.stop()
+        async def go(runtime):
+            arrivals: list[tuple[float, str, int]] = []
+            stream = _job("stream", SHORT, 60)
+            runtime.orchestrator.submit(stream)
+            streaming = asyncio.create_task(_collect(stream, arrivals))
+            while not arrivals:  # the stream has started
+                await asyncio.sleep(0.005)
+            late = _job("late", LONG, 4)
+            submitted = time.monotonic()
+            runtime.orchestrator.submit(late)
+            seen = []  # /ready's counts while the long prompt prefills
+            for _ in range(1000):  # bounded: until its Prefill is sent
+                if runtime.orchestrator.prefilling:
+                    status = runtime.status()
+                    seen.append((status["prefilling"], status["running"]))
+                    break
+                await asyncio.sleep(0.001)
+            outs = await asyncio.gather(streaming, _collect(late, arrivals))
+            return outs, arrivals, submitted, seen
 
-        (stream_ids, late_ids), arrivals, submitted, seen = asyncio.run(go())
+        (stream_ids, late_ids), arrivals, submitted, seen = with_gateway(settings, go)
     assert seen == [(1, 1)]  # the long prompt prefilling, the stream running
     late_first = min(t for t, rid, _ in arrivals if rid == "late")
     meanwhile = sum(n for t, rid, n in arrivals if rid == "stream" and submitted < t < late_first)
@@ -255,25 +264,20 @@ def test_a_request_cancelled_while_prefilling_stops_its_prefill_and_frees_its_pa
         before_each_forward(v, lambda: chunks.append(1))
         settings = GatewaySettings(verify_addr=v.endpoint, draft_addr="")
 
-        async def go():
-            runtime = GatewayRuntime(settings, tokenizer=None)
-            await runtime.start()
-            try:
-                job = _job("gone", LONG, 4)
-                runtime.orchestrator.submit(job)
-                while len(chunks) < 5:  # verify is part way through the prompt
-                    await asyncio.sleep(0.002)
-                runtime.orchestrator.cancel(job)  # the client went away
-                event = await asyncio.wait_for(job.events.get(), timeout=CALL_S)
-                for _ in range(500):  # bounded: the Release and the Prefill's answer
-                    if "gone" not in v.engine.cache.seqs and not runtime.orchestrator.prefilling:
-                        break
-                    await asyncio.sleep(0.01)
-                return event, len(runtime.orchestrator.prefilling)
-            finally:
-                await runtime.stop()
+        async def go(runtime):
+            job = _job("gone", LONG, 4)
+            runtime.orchestrator.submit(job)
+            while len(chunks) < 5:  # verify is part way through the prompt
+                await asyncio.sleep(0.002)
+            runtime.orchestrator.cancel(job)  # the client went away
+            event = await asyncio.wait_for(job.events.get(), timeout=CALL_S)
+            for _ in range(500):  # bounded: the Release and the Prefill's answer
+                if "gone" not in v.engine.cache.seqs and not runtime.orchestrator.prefilling:
+                    break
+                await asyncio.sleep(0.01)
+            return event, len(runtime.orchestrator.prefilling)
 
-        event, prefilling = asyncio.run(go())
+        event, prefilling = with_gateway(settings, go)
         assert event == Finished("abort")
         assert v.engine.cache.used_pages == 0 and "gone" not in v.engine.cache.seqs
         assert prefilling == 0
@@ -289,18 +293,13 @@ def test_a_prefill_slower_than_the_step_timeout_gets_time_by_its_length():
                                    prefill_tokens_per_s=100.0)  # fmt: skip
         assert settings.prefill_timeout_s(400) == 4.5
 
-        async def go():
-            runtime = GatewayRuntime(settings, tokenizer=None)
-            await runtime.start()
-            try:
-                job = _job("long", LONG, 2)
-                runtime.orchestrator.submit(job)
-                ids = await _collect(job, [])
-                return ids, job.attempts, [link.alive for link in runtime.verify.links.values()]
-            finally:
-                await runtime.stop()
+        async def go(runtime):
+            job = _job("long", LONG, 2)
+            runtime.orchestrator.submit(job)
+            ids = await _collect(job, [])
+            return ids, job.attempts, [link.alive for link in runtime.verify.links.values()]
 
-        ids, attempts, alive = asyncio.run(go())
+        ids, attempts, alive = with_gateway(settings, go)
     assert ids == target_only(LONG, 2)
     assert attempts == 1 and alive == [True]
 

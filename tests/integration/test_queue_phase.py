@@ -15,7 +15,6 @@ import time
 import pytest
 
 from splitflash.services.gateway.config import GatewaySettings
-from splitflash.services.gateway.runtime import GatewayRuntime
 from tests.integration.test_prefill_interleaving import (
     LONG,
     SHORT,
@@ -23,6 +22,7 @@ from tests.integration.test_prefill_interleaving import (
     _job,
     target_only,
     verify_server,
+    with_gateway,
 )
 from tests.integration.workers_harness import running
 
@@ -42,25 +42,20 @@ def test_a_step_held_up_by_a_prefill_chunk_counts_it_as_queue_not_transport():
         v.engine.model.forward = slow_chunks
         settings = GatewaySettings(verify_addr=v.endpoint, draft_addr="")
 
-        async def go():
-            runtime = GatewayRuntime(settings, tokenizer=None)
-            await runtime.start()
-            try:
-                stream = _job("stream", SHORT, 40)
-                runtime.orchestrator.submit(stream)
-                streaming = asyncio.create_task(_collect(stream, arrivals := []))
-                while not arrivals:  # the stream has started
-                    await asyncio.sleep(0.005)
-                late = _job("late", LONG, 2)  # 50 chunks of 8
-                runtime.orchestrator.submit(late)
-                ids = await asyncio.gather(streaming, _collect(late, []))
-                sample = runtime.registry.get_sample_value
-                queue_s = sample("splitflash_step_phase_seconds_sum", {"phase": "queue"})
-                return ids, list(stream.trace), queue_s
-            finally:
-                await runtime.stop()
+        async def go(runtime):
+            stream = _job("stream", SHORT, 40)
+            runtime.orchestrator.submit(stream)
+            streaming = asyncio.create_task(_collect(stream, arrivals := []))
+            while not arrivals:  # the stream has started
+                await asyncio.sleep(0.005)
+            late = _job("late", LONG, 2)  # 50 chunks of 8
+            runtime.orchestrator.submit(late)
+            ids = await asyncio.gather(streaming, _collect(late, []))
+            sample = runtime.registry.get_sample_value
+            queue_s = sample("splitflash_step_phase_seconds_sum", {"phase": "queue"})
+            return ids, list(stream.trace), queue_s
 
-        (stream_ids, late_ids), trace, queue_s = asyncio.run(go())
+        (stream_ids, late_ids), trace, queue_s = with_gateway(settings, go)
     assert stream_ids == target_only(SHORT, 40) and late_ids == target_only(LONG, 2)
     held = [s for s in trace if s["queue_ms"] > 0.5 * CHUNK_S * 1e3]  # waited behind a chunk
     assert len(held) >= 5, [s["queue_ms"] for s in trace]
