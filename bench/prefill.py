@@ -28,7 +28,7 @@ from pathlib import Path
 
 
 def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool,
-            budget_ms: float | None = None) -> dict:  # fmt: skip
+            budget_ms: float | None = None, verbose: bool = False) -> dict:  # fmt: skip
     import torch
 
     from splitflash.services.verify.chunk_sizer import ChunkSizer
@@ -43,7 +43,7 @@ def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool,
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         run = engine.start_prefill(f"p{i}", prompt, Sampling(), (), 2)
-        chunk_s, report = [], None
+        chunk_s, sizes, report = [], [], None
         while report is None:
             cached = run.cached
             size = None if sizer is None else sizer.tokens(cached, others_waiting=True)
@@ -54,6 +54,10 @@ def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool,
             chunk_s.append(time.perf_counter() - t0)
             if sizer is not None:
                 sizer.observe(run.cached - cached, cached, chunk_s[-1])
+            sizes.append(run.cached - cached)
+            if verbose:
+                print(f"  chunk {len(chunk_s)}: {sizes[-1]} tokens after {cached}: "
+                      f"{chunk_s[-1] * 1e3:.1f} ms", flush=True)  # fmt: skip
         if cuda:
             peaks.append((torch.cuda.max_memory_allocated() - base) / 2**30)
         seconds.append(sum(chunk_s))
@@ -63,6 +67,7 @@ def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool,
     return dict(context=len(prompt), chunk=chunk, budget_ms=budget_ms,
                 seconds=statistics.median(seconds[1:]), chunks=counts[-1],
                 slowest_chunk_s=statistics.median(slowest[1:]),
+                chunk_tokens=sizes, chunk_seconds=chunk_s,  # the last run's
                 peak_gib=max(peaks[1:]) if cuda else None)  # fmt: skip
 
 
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also: chunks sized to this many ms each, as PREFILL_CHUNK_MS does "
                    "while streams decode (at most the largest --chunks)")  # fmt: skip
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--verbose", action="store_true", help="print every chunk's size and time")
     p.add_argument("--shape", default=None,
                    help="a bench.verify_step shape with random bf16 weights and a random "
                    "prompt, instead of --target's checkpoint (CUDA only)")  # fmt: skip
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         cap = max(args.chunks) or len(prompt)
         runs = [(c, None) for c in args.chunks] + [(cap, ms) for ms in args.chunk_ms]
         for chunk, budget_ms in runs:
-            row = measure(engine, prompt, chunk, args.reps, cuda, budget_ms)
+            row = measure(engine, prompt, chunk, args.reps, cuda, budget_ms, args.verbose)
             rows.append(row)
             peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
             name = f"{budget_ms:g} ms" if budget_ms else chunk or "whole"

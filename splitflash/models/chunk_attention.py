@@ -14,8 +14,16 @@ against 142 masked (84 whole); a 185k prompt in chunks of 8192 3.40 s against 5.
 whole). On the CPU (2 cores, fp32, the default model's heads) a chunk of 2048 after 8192
 keys took 0.49-0.52 s split against 0.71-0.76 masked. SPLITFLASH_PREFILL_SPLIT_ATTENTION:
 unset or 1 splits wherever the fused kernels take the shape (on CUDA: bf16 / fp16 heads of
-<= 128 dims, cuDNN's), 0 never. If a split call raises, the process logs it once and masks
-from then on.
+<= 128 dims), 0 never. If a split call raises, the process logs it once and masks from then
+on.
+
+On CUDA each half goes to cuDNN or to FlashAttention-2 by the chunk's work. cuDNN builds an
+execution graph for every new key count, and a chunk's cached-key count is new every chunk:
+on an H100 that cost 2.7-3.0 ms of host time per layer, not hidden behind the GPU's work,
+against 0.06 ms for FlashAttention, whose kernels run 1.4-1.8x longer on big chunks than
+cuDNN's (bench/RESULTS.md "Session 35", bench.chunk_backend_probe). So a chunk of 256 tokens
+after 185k keys took 4.5 ms a layer through cuDNN and 0.4 through FlashAttention, and one of
+8192 took 11.5 against 14.5.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ log = logging.getLogger(__name__)
 _CUDNN_DTYPES = (torch.bfloat16, torch.float16)
 _CUDNN_MAX_HEAD_DIM = 128
 _split_refused = False  # set once a split call raised: every later chunk takes the mask
+# chunk tokens x cached keys x q heads x head dim from which cuDNN's faster kernels pay for
+# its per-shape graph build (H100, 9 heads of 64: the crossover lies between 4096 tokens
+# after 100k keys, 2.4e11, FlashAttention's, and 4096 after 185k, 4.4e11, cuDNN's).
+CUDNN_MIN_WORK = 3.5e11
 
 
 def split_chosen(q: torch.Tensor) -> bool:
@@ -47,11 +59,22 @@ def _cudnn_shape(q: torch.Tensor) -> bool:
     return q.dtype in _CUDNN_DTYPES and d <= _CUDNN_MAX_HEAD_DIM and d % 8 == 0
 
 
-def _attend_lse(q, k, v, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def cudnn_chosen(q: torch.Tensor, cached: int) -> bool:
+    """Whether a CUDA chunk of q [1, H, c, D] after `cached` keys goes to cuDNN (else to
+    FlashAttention): enough work to pay for a graph build (see CUDNN_MIN_WORK)."""
+    _, heads, chunk, dim = q.shape
+    return chunk * cached * heads * dim >= CUDNN_MIN_WORK
+
+
+def _attend_lse(q, k, v, causal: bool, scale, cudnn: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [1, H, T, D], natural log-sum-exp of each row's scores [1, H, T] fp32)."""
-    if q.is_cuda:
+    if q.is_cuda and cudnn:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale
+        )[:2]
+    elif q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
         )[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -64,8 +87,9 @@ def chunk_attention_split(q, k, v, scale) -> torch.Tensor:
     """q [1, H, c, D] at the last c of k/v's L positions [1, H, L, D] -> [1, H, c, D]:
     what SDPA with causal_lower_right(c, L) gives."""
     p = k.shape[2] - q.shape[2]  # cached keys before the chunk
-    o_old, lse_old = _attend_lse(q, k[:, :, :p], v[:, :, :p], False, scale)
-    o_new, lse_new = _attend_lse(q, k[:, :, p:], v[:, :, p:], True, scale)
+    cudnn = cudnn_chosen(q, p)
+    o_old, lse_old = _attend_lse(q, k[:, :, :p], v[:, :, :p], False, scale, cudnn)
+    o_new, lse_new = _attend_lse(q, k[:, :, p:], v[:, :, p:], True, scale, cudnn)
     top = torch.maximum(lse_old, lse_new)
     w_old, w_new = torch.exp(lse_old - top), torch.exp(lse_new - top)  # [1, H, c]
     total = (w_old + w_new)[..., None]
@@ -77,7 +101,10 @@ def chunk_attention(q, k, v, scale) -> torch.Tensor:
     """The chunk's attention: split (when chosen and there are cached keys) or masked."""
     global _split_refused
     c, length = q.shape[2], k.shape[2]
-    if c == length:
+    if c == length:  # the whole prompt: square causal
+        if q.is_cuda and _cudnn_shape(q) and not cudnn_chosen(q, c // 2):
+            # a new prompt length would cost torch's pick, cuDNN, a graph build per layer
+            return _attend_lse(q, k, v, True, scale, cudnn=False)[0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if split_chosen(q):
         try:

@@ -106,13 +106,35 @@ def test_a_prompt_prefilled_through_split_chunks_leaves_what_one_forward_leaves(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("chunk", "cached"), [(65, 3), (512, 4097), (2048, 30000)])
-def test_the_split_chunk_on_the_gpu_in_bf16(chunk, cached):
-    """The CUDA path: cuDNN's op and its log-sum-exp."""
+@pytest.mark.parametrize("min_work", [0.0, float("inf")], ids=["cudnn", "flash"])
+def test_the_split_chunk_on_the_gpu_in_bf16(monkeypatch, chunk, cached, min_work):
+    """The CUDA paths: cuDNN's op or FlashAttention's, and their log-sum-exps."""
+    monkeypatch.setattr(mod, "CUDNN_MIN_WORK", min_work)
     q, k, v = _case(chunk, cached, "cuda", torch.bfloat16, heads=9, dim=64)
     want = _masked(q.float(), k.float(), v.float())
     got = chunk_attention_split(q, k, v, None).float()
     low = _masked(q, k, v).float()
     assert (got - want).abs().max() <= 2 * (low - want).abs().max() + 1e-3
+    if cached == 3:  # the whole prompt (square causal) through the same choice
+        q, k, v = _case(chunk, 0, "cuda", torch.bfloat16, heads=9, dim=64)
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        low = F.scaled_dot_product_attention(q, k, v, is_causal=True).float()
+        got = chunk_attention(q, k, v, None).float()
+        assert (got - want).abs().max() <= 2 * (low - want).abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_small_chunks_take_flash_attention_and_big_ones_cudnn(monkeypatch):
+    """cuDNN's graph build per new key count costs more than it saves on small chunks."""
+    seen = []
+    real = mod._attend_lse
+    monkeypatch.setattr(mod, "_attend_lse", lambda *a: seen.append(a[-1]) or real(*a))
+    for chunk, cached, cudnn in ((256, 185_000, False), (4096, 185_000, True)):
+        q, k, v = _case(chunk, cached, "cuda", torch.bfloat16, heads=9, dim=64)
+        chunk_attention_split(q, k, v, None)
+        assert seen == [cudnn, cudnn], (chunk, cached)
+        seen.clear()
 
 
 @pytest.mark.gpu
