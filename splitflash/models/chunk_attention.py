@@ -14,8 +14,8 @@ against 142 masked (84 whole); a 185k prompt in chunks of 8192 3.40 s against 5.
 whole). On the CPU (2 cores, fp32, the default model's heads) a chunk of 2048 after 8192
 keys took 0.49-0.52 s split against 0.71-0.76 masked. SPLITFLASH_PREFILL_SPLIT_ATTENTION:
 unset or 1 splits wherever the fused kernels take the shape (on CUDA: bf16 / fp16 heads of
-<= 128 dims), 0 never. If a split call raises, the process logs it once and masks from then
-on.
+<= 128 dims), 0 never (a whole prompt then goes to torch's pick too). If a fused call
+raises, the process logs it once and uses SDPA as torch picks it from then on.
 
 On CUDA each half goes to cuDNN or to FlashAttention-2 by the chunk's work. cuDNN builds an
 execution graph for every new key count, and a chunk's cached-key count is new every chunk:
@@ -98,20 +98,23 @@ def chunk_attention_split(q, k, v, scale) -> torch.Tensor:
 
 
 def chunk_attention(q, k, v, scale) -> torch.Tensor:
-    """The chunk's attention: split (when chosen and there are cached keys) or masked."""
+    """The chunk's attention: split (when chosen and there are cached keys) or masked; a
+    whole prompt (square causal) through FlashAttention when cuDNN would not pay for its
+    graph build (a new one for each prompt length), else through torch's pick."""
     global _split_refused
     c, length = q.shape[2], k.shape[2]
-    if c == length:  # the whole prompt: square causal
-        if q.is_cuda and _cudnn_shape(q) and not cudnn_chosen(q, c // 2):
-            # a new prompt length would cost torch's pick, cuDNN, a graph build per layer
-            return _attend_lse(q, k, v, True, scale, cudnn=False)[0]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if split_chosen(q):
+    whole = c == length
+    flash_whole = whole and q.is_cuda and split_chosen(q) and not cudnn_chosen(q, c // 2)
+    if flash_whole or (not whole and split_chosen(q)):
         try:
+            if whole:
+                return _attend_lse(q, k, v, True, scale, cudnn=False)[0]
             return chunk_attention_split(q, k, v, scale)
-        except RuntimeError as err:  # e.g. a cuDNN build or GPU without this graph
+        except RuntimeError as err:  # e.g. a cuDNN build or GPU without this kernel
             _split_refused = True
-            log.warning("prefill chunks: the split attention raised (%s); masked SDPA "
-                        "from now on", err)  # fmt: skip
+            log.warning("prefill: the fused attention call raised (%s); SDPA as torch "
+                        "picks it from now on", err)  # fmt: skip
+    if whole:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, length),
                                           scale=scale)  # fmt: skip

@@ -87,7 +87,7 @@ def test_a_split_that_raises_is_logged_once_and_masked_from_then_on(monkeypatch,
     torch.testing.assert_close(first, _masked(q, k, v))
     torch.testing.assert_close(second, _masked(q, k, v))
     assert len(calls) == 1  # refused once: the second chunk never tried
-    assert [r.message for r in caplog.records if "split attention raised" in r.message]
+    assert [r.message for r in caplog.records if "fused attention call raised" in r.message]
 
 
 def test_a_prompt_prefilled_through_split_chunks_leaves_what_one_forward_leaves(monkeypatch):
