@@ -1,73 +1,106 @@
-"""Probe (session 35): a prefill chunk's split attention through cuDNN or FlashAttention,
-host time per call (issuing only) and wall per call (30 calls, a step's layers, then sync),
-for the default model's heads (9 x 64, bf16)."""
+"""A prefill chunk's split attention (models/chunk_attention.py) through cuDNN or through
+FlashAttention-2: wall and host ms per layer for the default model's heads (9 x 64, bf16),
+30 calls (a forward's layers) then a sync, with the cached-key count seen before or new
+each round (as every chunk's is); then a whole prompt's causal attention, torch's pick
+(F.scaled_dot_product_attention) against FlashAttention, at a new length and a length seen.
+It measured where cuDNN's per-shape graph build pays (chunk_attention.CUDNN_MIN_WORK).
+CUDA only.
 
+    python -m bench.chunk_backend_probe
+"""
+
+from __future__ import annotations
+
+import argparse
 import time
 
-import torch
-
-ops = torch.ops.aten
-H, D = 9, 64
+LAYERS = 30
 
 
-def cudnn(q, k, v, causal):
-    return ops._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False, scale=0.125
-    )[:2]
+def _ops():
+    import torch
+
+    ops = torch.ops.aten
+
+    def cudnn(q, k, v, causal):
+        return ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                       scale=0.125)[:2]  # fmt: skip
+
+    def flash(q, k, v, causal):
+        return ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=0.125)[:2]
+
+    return cudnn, flash
 
 
-def flash(q, k, v, causal):
-    return ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=0.125)[:2]
+def _split_rows(heads: int, dim: int) -> None:
+    import torch
 
+    cudnn, flash = _ops()
 
-def run(fn, q, k, v, p):
-    fn(q, k[:, :, :p], v[:, :, :p], False)
-    fn(q, k[:, :, p:], v[:, :, p:], True)
+    def run(fn, q, kv, p):
+        fn(q, kv[:, :, :p], kv[:, :, :p], False)
+        fn(q, kv[:, :, p:], kv[:, :, p:], True)
 
-
-for p in (16384, 100_000, 185_000):
-    for c in (256, 1024, 4096, 8192):
-        q = torch.randn(1, H, c, D, device="cuda", dtype=torch.bfloat16)
-        kv = torch.randn(1, H, p + c, D, device="cuda", dtype=torch.bfloat16)
-        row = []
-        for name, fn in (("cudnn", cudnn), ("flash", flash)):
-            for shift in (0, 1):  # 0: the shape seen before; 1: a new p each round
-                pp = p
-                run(fn, q, kv, kv, pp)
-                torch.cuda.synchronize()
-                walls, hosts = [], []
-                for _ in range(3):
-                    pp -= shift
-                    t0 = time.perf_counter()
-                    for _ in range(30):
-                        run(fn, q, kv, kv, pp)
-                    t1 = time.perf_counter()
+    for p in (16384, 100_000, 185_000):
+        for c in (256, 1024, 4096, 8192):
+            q = torch.randn(1, heads, c, dim, device="cuda", dtype=torch.bfloat16)
+            kv = torch.randn(1, heads, p + c, dim, device="cuda", dtype=torch.bfloat16)
+            row = []
+            for name, fn in (("cudnn", cudnn), ("flash", flash)):
+                for shift in (0, 1):  # 0: the key count seen before; 1: a new one each round
+                    pp = p
+                    run(fn, q, kv, pp)
                     torch.cuda.synchronize()
-                    hosts.append((t1 - t0) / 30 * 1e3)
-                    walls.append((time.perf_counter() - t0) / 30 * 1e3)
-                row.append(f"{name}{'+newp' if shift else ''} {min(walls):.2f}/{min(hosts):.2f}")
-        print(f"p {p:>6} c {c:>5}: " + "  ".join(row) + "  (wall/host ms per layer)", flush=True)
+                    walls, hosts = [], []
+                    for _ in range(3):
+                        pp -= shift
+                        t0 = time.perf_counter()
+                        for _ in range(LAYERS):
+                            run(fn, q, kv, pp)
+                        t1 = time.perf_counter()
+                        torch.cuda.synchronize()
+                        hosts.append((t1 - t0) / LAYERS * 1e3)
+                        walls.append((time.perf_counter() - t0) / LAYERS * 1e3)
+                    tag = name + ("+new p" if shift else "")
+                    row.append(f"{tag} {min(walls):.2f}/{min(hosts):.2f}")
+            print(f"p {p:>6} c {c:>5}: " + "  ".join(row) + "  (wall/host ms per layer)",
+                  flush=True)  # fmt: skip
 
-# The whole prompt (square causal, c == keys): torch's pick (F.sdpa) against FlashAttention,
-# a new length each round as every request's prompt brings.
-for n in (512, 2048, 8192, 32768):
-    qkv = torch.randn(3, 1, H, n + 8, D, device="cuda", dtype=torch.bfloat16)
-    row = []
-    for name in ("sdpa", "flash"):
-        walls = []
-        for r in (0, 1, 2, 2):  # new lengths, then the last one again
-            q, k, v = (t[:, :, : n - r] for t in qkv)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(30):
-                if name == "sdpa":
-                    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                else:
-                    flash(q, k, v, True)
-            torch.cuda.synchronize()
-            walls.append((time.perf_counter() - t0) / 30 * 1e3)
-        row.append(f"{name} new {min(walls[1:3]):.2f} seen {walls[3]:.2f}")
-    print(
-        f"whole prompt {n:>6}: " + "  ".join(row) + "  (ms per layer)",
-        flush=True,
-    )
+
+def _whole_rows(heads: int, dim: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    _, flash = _ops()
+    for n in (512, 2048, 8192, 32768):
+        qkv = torch.randn(3, 1, heads, n + 8, dim, device="cuda", dtype=torch.bfloat16)
+        row = []
+        for name in ("sdpa", "flash"):
+            walls = []
+            for r in (0, 1, 2, 2):  # new lengths, then the last one again
+                q, k, v = (t[:, :, : n - r] for t in qkv)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(LAYERS):
+                    if name == "sdpa":
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    else:
+                        flash(q, k, v, True)
+                torch.cuda.synchronize()
+                walls.append((time.perf_counter() - t0) / LAYERS * 1e3)
+            row.append(f"{name} new {min(walls[1:3]):.2f} seen {walls[3]:.2f}")
+        print(f"whole prompt {n:>6}: " + "  ".join(row) + "  (ms per layer)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.chunk_backend_probe", description=__doc__)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--dim", type=int, default=64)
+    a = p.parse_args(argv)
+    _split_rows(a.heads, a.dim)
+    _whole_rows(a.heads, a.dim)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -33,6 +33,8 @@ BENCHES = {
     "graph_memory": "bench.graph_memory",
     "prefill": "bench.prefill",
     "sdpa_chunk_probe": "bench.sdpa_chunk_probe",
+    "chunk_backend_probe": "bench.chunk_backend_probe",
+    "prefill_pack": "bench.prefill_pack",
 }
 
 

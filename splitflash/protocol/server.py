@@ -235,6 +235,10 @@ def _abandon(sock: zmq.Socket, open_calls: deque[_Open], responses: Codec[Any],
         _send(sock, call.peer, call.call_id, stop, (), responses, on_error)
 
 
+# Messages served at most before the next slice of an open Deferred.
+QUEUED_PER_SLICE = 16
+
+
 def serve_forever(
     sock: zmq.Socket,
     handler: Handler,
@@ -251,29 +255,38 @@ def serve_forever(
 
     `on_idle` runs after every `poll_ms` without a message or open Deferred: background
     work that must not delay a message already waiting (keep each call short). Deferred
-    calls advance one slice after each message served, so neither messages nor deferred
-    work can starve the other. `clock` (QueueClock) is kept up to date for the handler to
-    read. Returns on stop or when the context is terminated; the socket stays the caller's.
+    calls advance one slice after the messages already waiting are served (at most
+    QUEUED_PER_SLICE), so neither messages nor deferred work can starve the other, and
+    Deferreds that arrive together are all open at the next slice (the verify server packs
+    Prefills that are open at once into one forward). `clock` (QueueClock) is kept up to
+    date for the handler to read. Returns on stop or when the context is terminated; the
+    socket stays the caller's.
     """
     report: OnError = on_error or (lambda code: None)
     clock = clock or QueueClock()
     open_calls: deque[_Open] = deque()
     while not stop_event.is_set():
-        try:
-            frames = _receive(sock, 0 if open_calls else poll_ms, clock)
-        except zmq.Again:
-            frames = None
-        except zmq.ZMQError as e:
-            if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                return
-            raise
-        if frames is not None:
+        frames, served = None, 0
+        while served < QUEUED_PER_SLICE:
+            try:
+                frames = _receive(sock, 0 if open_calls or served else poll_ms, clock)
+            except zmq.Again:
+                frames = None
+            except zmq.ZMQError as e:
+                if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                raise
+            if frames is None:
+                break
+            served += 1
             opened = serve_one(
                 sock, frames, handler, requests=requests, responses=responses, on_error=report
             )
             if opened is not None:
                 open_calls.append(opened)
-        elif not open_calls:
+            if not open_calls:
+                break
+        if not served and not open_calls:
             if on_idle is not None:
                 on_idle()
             continue

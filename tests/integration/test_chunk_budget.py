@@ -38,9 +38,9 @@ class SyntheticSizer(ChunkSizer):
         super().__init__(BUDGET_S, FULL, min_tokens=4)
         self.chunks: list[tuple[int, int]] = []  # (tokens, cached) of every chunk run
 
-    def observe(self, tokens: int, cached: int, seconds: float) -> None:
-        self.chunks.append((tokens, cached))
-        super().observe(tokens, cached, cost(tokens, cached))
+    def observe_pack(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+        self.chunks += chunks
+        super().observe_pack(chunks, sum(cost(n, c) for n, c in chunks))
 
 
 def _prefill_long(with_stream: bool) -> tuple[SyntheticSizer, list[int], list[int]]:

@@ -106,3 +106,12 @@ def test_one_very_slow_chunk_does_not_shrink_the_ones_after_it():
     assert len(sizes) <= n_clean + 2 and MIN_CHUNK not in sizes[2:], sizes
     for c in (32_768, 185_000):
         assert spiked.tokens(c, True) == pytest.approx(clean.tokens(c, True), rel=0.01)
+
+
+def test_packed_forwards_fit_as_the_sum_of_their_chunks():
+    """A forward of several prompts' chunks costs the sum of each chunk's terms."""
+    sizer = ChunkSizer(0.05, 8192)
+    for packs in ([(4096, 0), (100, 30_000)], [(8192, 8192)], [(50, 0), (2000, 100_000)]):
+        sizer.observe_pack(packs, sum(cost(n, c) for n, c in packs))
+    a, b = sizer.coefficients()
+    assert a == pytest.approx(A, rel=1e-6) and b == pytest.approx(B, rel=1e-6)

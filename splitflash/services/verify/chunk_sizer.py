@@ -36,8 +36,15 @@ class ChunkSizer:
 
     def observe(self, tokens: int, cached: int, seconds: float) -> None:
         """A chunk of `tokens` after `cached` prompt tokens took `seconds`."""
+        self.observe_pack([(tokens, cached)], seconds)
+
+    def observe_pack(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """One forward of several prompts' chunks, (tokens, cached) each, took `seconds`:
+        the model's terms add up over them."""
+        tokens = sum(n for n, _ in chunks)
         if tokens >= 1 and seconds > 0 and math.isfinite(seconds):
-            self._seen.append((float(tokens), tokens * (cached + tokens / 2), seconds))
+            attended = sum(n * (c + n / 2) for n, c in chunks)
+            self._seen.append((float(tokens), float(attended), seconds))
 
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b) >= 0 of the least-squares fit, or None before any chunk was seen. One chunk

@@ -4,7 +4,10 @@ The verify server answers a Prefill with a PrefillJob (a protocol Deferred): ser
 runs the other messages that arrive meanwhile (the running requests' Verify steps, their
 Release, heartbeats) between its chunks, so admitting a 185k-token prompt delays every
 other request's step by one chunk's forward (VerifySettings.prefill_chunk tokens), not by
-the whole prefill. The reply (one StepResult per item, in order) goes once every item has
+the whole prefill. Prompts open at once share forwards: a chunk's forward takes along every
+other open Prefill whose whole remaining prompt fits in its prefill_chunk tokens (unless a
+time budget sized the chunk while requests decode), so N short prompts admitted together
+cost one forward, not N. The reply (one StepResult per item, in order) goes once every item has
 its outcome. A prompt's feature rows go to its drafter chunk by chunk as they are made (the
 last chunk's before the reply, as for a Verify step), so neither the GPU holds a long
 prompt's features nor the end of its prefill stalls the loop for one huge transfer.
@@ -21,9 +24,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from splitflash.protocol import Deferred, Prefill, PrefillItem, PrefillReply, StepResult
+from splitflash.protocol import Deferred, Prefill, PrefillReply, StepResult
 from splitflash.services.verify.engine import StepReport
-from splitflash.services.verify.prompt_run import PromptRun
+from splitflash.services.verify.prompt_run import PromptRun, advance_together
 from splitflash.services.verify.sampling import Sampling
 from splitflash.services.verify.steps import error_result
 
@@ -65,15 +68,18 @@ class PrefillJob(Deferred):
     # --- the work ----------------------------------------------------------------------
     def _advance(self) -> PrefillReply | None:
         """Start items until one needs a forward, run one chunk of it; the reply at the end."""
-        while self._run is None and self._next < len(self.items):
-            i, self._next = self._next, self._next + 1
-            if self.outcomes[i] is None:  # a Release may have ended it before its start
-                self._start(i)
+        self._start_next()
         if self._run is not None:
             self._chunk()
             if self._run is not None or self._next < len(self.items):
                 return None
         return self._reply()
+
+    def _start_next(self) -> None:
+        while self._run is None and self._next < len(self.items):
+            i, self._next = self._next, self._next + 1
+            if self.outcomes[i] is None:  # a Release may have ended it before its start
+                self._start(i)
 
     def _start(self, i: int) -> None:
         item = self.items[i]
@@ -100,37 +106,63 @@ class PrefillJob(Deferred):
             self.server.feature_peers[rid] = link
         self._run = (i, run)
 
-    def _chunk(self) -> None:
+    def _due_run(self) -> PromptRun | None:
+        """The running item's run; None (the item ended) once its deadline has passed."""
         i, run = self._run
-        item: PrefillItem = self.items[i]
-        if time.time() > item.deadline:
+        if time.time() > self.items[i].deadline:
             why = f"deadline: passed during prefill ({run.cached} of {len(run.prompt)} tokens)"
-            self._end(i, error_result(item.request_id, 0, why))
+            self._end(i, error_result(self.items[i].request_id, 0, why))
+            return None
+        return run
+
+    def _chunk(self) -> None:
+        """One forward: this item's next chunk and, packed with it, every other open
+        Prefill's next prompt that fits whole in the forward's prefill_chunk tokens."""
+        run = self._due_run()
+        if run is None:
             return
-        sizer, cached = self.server.chunk_sizer, run.cached
-        # Decoding requests wait for this chunk: sized to the time budget, if one is set.
-        size = None if sizer is None else sizer.tokens(cached, bool(self.server.engine.seqs))
+        server, sizer, cached = self.server, self.server.chunk_sizer, run.cached
+        decoding = bool(server.engine.seqs)
+        # Decoding requests wait for this chunk: sized to the time budget, if one is set
+        # (and then nothing packed with it: the budget is this chunk's).
+        size = None if sizer is None else sizer.tokens(cached, decoding)
+        pack: list[tuple[PrefillJob, int | None]] = [(self, size)]
+        if sizer is None or not decoding:
+            own = min(size or server.engine.prefill_chunk, len(run.prompt) - cached)
+            pack += _partners(self, server.engine.prefill_chunk - own)
+        before = [job._run[1].cached for job, _ in pack]
         t = time.perf_counter()
         try:
-            report = run.advance(size)
-        except Exception as e:  # a forward out of memory: the run freed its pages
-            self._run = None
-            self._failed(i, e)
+            reports = advance_together([(job._run[1], n) for job, n in pack])
+        except Exception as e:  # a forward out of memory: the runs freed their pages
+            for job, _ in pack:
+                job._forward_failed(e, time.perf_counter() - t)
             return
-        finally:
-            self.forward += time.perf_counter() - t
-        # advance() synced the device after a non-final chunk: the wall time is the chunk's
+        # advance_together synced the device unless every run ended: the chunks' wall time
         seconds = time.perf_counter() - t
-        self.server.metrics.observe_prefill_chunk(run.cached, seconds)
+        server.metrics.observe_prefill_chunk(run.cached, seconds)
         if sizer is not None:
-            sizer.observe(run.cached - cached, cached, seconds)
+            chunks = [(job._run[1].cached - c, c) for (job, _), c in zip(pack, before, strict=True)]
+            sizer.observe_pack(chunks, seconds)
+        for (job, _), report in zip(pack, reports, strict=True):
+            job._chunk_ran(report, seconds)
+
+    def _chunk_ran(self, report: StepReport | None, seconds: float) -> None:
+        i, run = self._run
+        self.forward += seconds
         if report is not None:
             self._run = None
             self.outcomes[i] = report  # its last chunk's rows go with the reply
         elif run.chunk_rows is not None:  # this chunk's rows to the drafter now
-            rows = StepReport(item.request_id, None, 0, features=run.chunk_rows,
+            rows = StepReport(self.items[i].request_id, None, 0, features=run.chunk_rows,
                               feature_start=run.chunk_start)  # fmt: skip
             self.server.send_features([rows])
+
+    def _forward_failed(self, e: Exception, seconds: float) -> None:
+        i, _ = self._run
+        self.forward += seconds
+        self._run = None
+        self._failed(i, e)
 
     def _failed(self, i: int, e: Exception) -> None:
         rid = self.items[i].request_id
@@ -171,3 +203,22 @@ class PrefillJob(Deferred):
         self.server.metrics.verify_seconds.observe(self.forward)
         timings = {"forward": self.forward, "total": time.perf_counter() - self.t0}
         return PrefillReply(results=results, timings=timings)
+
+
+def _partners(lead: PrefillJob, tokens: int) -> list[tuple[PrefillJob, int | None]]:
+    """Other open Prefills (in arrival order) whose whole remaining prompt fits in `tokens`
+    more of the lead's forward: short prompts admitted together share one forward, while a
+    long prompt keeps chunks of its own (a part of one would read its whole context for a
+    few tokens)."""
+    out: list[tuple[PrefillJob, int | None]] = []
+    for job in lead.server.open_prefills():
+        if tokens < 1:
+            break
+        if job is lead:
+            continue
+        job._start_next()
+        run = None if job._run is None else job._due_run()
+        if run is not None and len(run.prompt) - run.cached <= tokens:
+            out.append((job, None))
+            tokens -= len(run.prompt) - run.cached
+    return out

@@ -5,8 +5,9 @@ chunk_sizer.py), attending to the chunks already cached, and returns the StepRep
 the last one. The verify server serves other messages between chunks (other requests'
 verify steps, heartbeats, a Release of this very request), so a 185k-token prompt delays
 them by one chunk's forward instead of its whole prefill, as vLLM's chunked prefill does.
-The engine's own `prefill()` runs every chunk in one call (the one-process CLI, tests,
-benchmarks).
+`advance_together()` runs the next chunk of several prompts in one forward (the verify
+server packs short prompts that wait at once). The engine's own `prefill()` runs every
+chunk in one call (the one-process CLI, tests, benchmarks).
 
 Whatever way a run ends early (a forward that raises, `abort()`), it leaves no pages behind.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from splitflash.services.verify.acceptance import StepOutcome
@@ -71,35 +73,20 @@ class PromptRun:
     def chunks_left(self) -> int:  # at prefill_chunk tokens each
         return -(-(len(self.prompt) - self.cached) // self.engine.prefill_chunk)
 
-    @torch.inference_mode()
     def advance(self, max_tokens: int | None = None) -> StepReport | None:
         """One chunk of at most max_tokens (default and cap: prefill_chunk) into the KV
         cache; after the last one, commit the first token."""
-        if self.ended:
-            raise RuntimeError(f"prefill of {self.request_id!r} already ended")
-        e, lo = self.engine, self.cached
-        size = e.prefill_chunk if max_tokens is None else max(1, min(max_tokens, e.prefill_chunk))
-        part = self.prompt[lo : lo + size]
-        try:
-            rows = torch.tensor([len(part) - 1], device=e.device)
-            out = e.model(e._batch([(self.request_id, part, lo)]), e.cache, rows,
-                          e.feature_layer_ids)  # fmt: skip
-        except Exception:  # out of memory, a lost TP rank: this request leaves nothing
-            self.abort()
-            raise
-        self.cached = lo + len(part)
-        e.cache.seq(self.request_id).length = self.cached
-        self.chunk_start, self.chunk_rows = lo, out.hidden
-        if out.hidden is not None and not self.stream_features:
-            self._hidden.append(out.hidden)
-        if self.cached < len(self.prompt):
-            if e.device.type == "cuda":
-                # One chunk in flight at most: the loop serves the next message once this
-                # chunk has run, so a step waits behind one chunk, not behind every chunk
-                # the host could queue meanwhile (the launches are asynchronous).
-                torch.cuda.current_stream(e.device).synchronize()
-            return None
-        return self._commit_first(out.logits[0])
+        return advance_together([(self, max_tokens)])[0]
+
+    def _chunk_ran(self, lo: int, n: int, hidden, logits) -> StepReport | None:
+        """This run's n tokens from position lo are in the cache; hidden [n, F] or None,
+        logits [V] of its last token."""
+        self.cached = lo + n
+        self.engine.cache.seq(self.request_id).length = self.cached
+        self.chunk_start, self.chunk_rows = lo, hidden
+        if hidden is not None and not self.stream_features:
+            self._hidden.append(hidden)
+        return None if self.cached < len(self.prompt) else self._commit_first(logits)
 
     def _commit_first(self, logits: torch.Tensor) -> StepReport:
         self.ended = True
@@ -124,3 +111,40 @@ class PromptRun:
             self.ended = True
             self._hidden, self.chunk_rows = [], None
             self.engine.cache.free(self.request_id)
+
+
+@torch.inference_mode()
+def advance_together(parts: list[tuple[PromptRun, int | None]]) -> list[StepReport | None]:
+    """The next chunk of each (run, max_tokens) in ONE forward, prompts packed as a verify
+    step packs requests, so short prompts admitted together cost one forward instead of one
+    each (vLLM packs prompts the same way). A chunk takes at most max_tokens (default and
+    cap: prefill_chunk) of its prompt. Returns each run's StepReport after its last chunk,
+    else None. If the forward fails, every run is aborted (its pages freed) and it raises."""
+    runs = [run for run, _ in parts]
+    e = runs[0].engine
+    if len({run.request_id for run in runs}) < len(runs):
+        raise ValueError("one prompt twice in a packed prefill forward")
+    spans = []  # (request_id, tokens, first position)
+    for run, max_tokens in parts:
+        if run.ended:
+            raise RuntimeError(f"prefill of {run.request_id!r} already ended")
+        cap = e.prefill_chunk if max_tokens is None else max(1, min(max_tokens, e.prefill_chunk))
+        spans.append((run.request_id, run.prompt[run.cached : run.cached + cap], run.cached))
+    ends = np.cumsum([len(toks) for _, toks, _ in spans])  # [R] row after each run's chunk
+    try:
+        rows = torch.tensor(ends - 1, device=e.device)  # each chunk's last token
+        out = e.model(e._batch(spans), e.cache, rows, e.feature_layer_ids)
+    except Exception:  # out of memory, a lost TP rank: these requests leave nothing
+        for run in runs:
+            run.abort()
+        raise
+    reports = []
+    for i, (run, (_, toks, lo)) in enumerate(zip(runs, spans, strict=True)):
+        hidden = None if out.hidden is None else out.hidden[ends[i] - len(toks) : ends[i]]
+        reports.append(run._chunk_ran(lo, len(toks), hidden, out.logits[i]))
+    if e.device.type == "cuda" and any(r is None for r in reports):
+        # One chunk in flight at most: the loop serves the next message once this chunk
+        # has run, so a step waits behind one chunk, not behind every chunk the host could
+        # queue meanwhile (the launches are asynchronous).
+        torch.cuda.current_stream(e.device).synchronize()
+    return reports

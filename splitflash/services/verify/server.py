@@ -6,7 +6,8 @@ One thread owns the socket, the engine and the data-plane link. Per message:
   change shape mid-way), and queues the warm-up of graphs for those layers, run one step at
   a time while no message waits (warmup.py). Other Hellos (health checks) change nothing.
 - Prefill: a PrefillJob (prefill_job.py), its items' prompts run one chunk per turn of the
-  loop, between the other messages, replied to when all are done; Verify: ONE batched
+  loop, between the other messages (short prompts open at once packed into one forward),
+  replied to when all are done; Verify: ONE batched
   engine.verify for the batch. Per-item failures (deadline, desync, unknown request, prompt
   too long, KV pool full) are `StepResult.error`; the other items and the loop go on.
 - After a step, each request opened with a `draft_peer` gets its kept feature rows sent to
@@ -169,7 +170,7 @@ class VerifyServer:
                 case Prefill():  # served between other messages, a chunk at a time
                     self._check_batch(len(msg.items))
                     job = PrefillJob(self, msg, t0)
-                    self._prefills = [j for j in self._prefills if not j.done] + [job]
+                    self._prefills = [*self.open_prefills(), job]
                     return job
                 case Verify():
                     self._check_batch(len(msg.items))
@@ -269,6 +270,10 @@ class VerifyServer:
         self.metrics.add_kv_bytes(max(base_lens), kv_bytes)
         return reports
 
+    def open_prefills(self) -> list[PrefillJob]:
+        """The Prefill messages not answered yet, in arrival order."""
+        return [j for j in self._prefills if not j.done]
+
     def send_features(self, reports: list[StepReport]) -> None:
         """Features of a step's reports to their drafters (draft_link.send_step_features)."""
         send_step_features(self.feature_peers, reports, self.engine.feature_layer_ids)
@@ -276,7 +281,7 @@ class VerifyServer:
     # --- release --------------------------------------------------------------------
     def _release(self, msg: Release) -> ReleaseReply:
         # A prompt still prefilling stops first: its chunks must not write to freed pages.
-        open_jobs = [j for j in self._prefills if not j.done]
+        open_jobs = self.open_prefills()
         stopped = {rid for rid in msg.request_ids if any([j.cancel(rid) for j in open_jobs])}
         released = [rid for rid in msg.request_ids if self.engine.release(rid) or rid in stopped]
         for rid in msg.request_ids:

@@ -1,0 +1,98 @@
+"""Short prompts that arrive together share one prefill forward on the verify server.
+
+Over real sockets (verify in a thread, the tiny random target, forwards slowed so that
+messages queue): four short Prefills sent while a long prompt's chunk runs are answered
+from ONE forward holding all four, the long prompt keeps forwards of its own, and every
+request then decodes as target-only decoding says. With a time budget set and a request
+decoding, nothing is packed with a sized chunk.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from splitflash.protocol import PrefillReply
+from tests.integration.test_prefill_interleaving import (
+    LONG,
+    Pipe,
+    prefill,
+    step,
+    target_only,
+    verify_server,
+)
+from tests.integration.workers_harness import running
+
+pytestmark = pytest.mark.timeout(120)
+SHORTS = {f"s{i}": [(i * 7 + j * 3) % 90 + 1 for j in range(5 + 4 * i)] for i in range(4)}
+
+
+def record_forwards(server, pause_s: float) -> list[list[int]]:
+    """The q_lens of every forward of the server's target, each slowed by pause_s."""
+    seen: list[list[int]] = []
+    forward = server.engine.model.forward
+
+    def recorded(batch, *args, **kwargs):
+        seen.append(list(batch.meta.q_lens))
+        time.sleep(pause_s)
+        return forward(batch, *args, **kwargs)
+
+    server.engine.model.forward = recorded
+    return seen
+
+
+def _prefill_all(v, pipe) -> dict[str, list[int]]:
+    """LONG, then the short prompts at once; each request's prefill token + 3 steps."""
+    calls = {pipe.send(prefill("long", LONG)): "long"}
+    calls |= {pipe.send(prefill(rid, p)): rid for rid, p in SHORTS.items()}
+    out = {}
+    for _ in calls:
+        call, reply = pipe.reply()
+        assert isinstance(reply, PrefillReply) and reply.results[0].error is None
+        out[calls[call]] = list(reply.results[0].committed_ids)
+    for rid, prompt in {**SHORTS, "long": LONG}.items():
+        for _ in range(3):
+            pipe.send(step(rid, len(prompt) + len(out[rid])))
+            out[rid] += pipe.reply()[1].results[0].committed_ids
+    return out
+
+
+def test_short_prompts_sent_together_share_one_forward():
+    with running(verify_server(chunk=64)) as v:
+        forwards = record_forwards(v, 0.05)  # LONG's first chunk: the shorts all arrive
+        pipe = Pipe(v.endpoint)
+        try:
+            out = _prefill_all(v, pipe)
+        finally:
+            pipe.close()
+    short_lens = sorted(len(p) for p in SHORTS.values())
+    packed = [f for f in forwards if sorted(f) == short_lens]
+    assert len(packed) == 1, forwards  # all four in one forward, none alone
+    assert not [f for f in forwards if len(f) == 1 and f[0] in short_lens[:-1]], forwards
+    long_chunks = [f for f in forwards if 64 in f]
+    assert long_chunks and all(f == [64] for f in long_chunks)  # never packed: it fills them
+    for rid, prompt in {**SHORTS, "long": LONG}.items():
+        assert out[rid] == target_only(prompt, 4), rid
+
+
+def test_a_time_budget_with_a_request_decoding_packs_nothing():
+    with running(verify_server(chunk=64)) as v:
+        from splitflash.services.verify.chunk_sizer import ChunkSizer
+
+        v.chunk_sizer = ChunkSizer(10.0, 64)  # a budget never binding: sizes stay 64
+        pipe = Pipe(v.endpoint)
+        try:
+            pipe.send(prefill("long", LONG[:20]))  # decoding from here on
+            long_out = list(pipe.reply()[1].results[0].committed_ids)
+            forwards = record_forwards(v, 0.05)
+            calls = {pipe.send(prefill(rid, p)): rid for rid, p in SHORTS.items()}
+            out = {calls[c]: list(r.results[0].committed_ids) for c, r in
+                   (pipe.reply() for _ in calls)}  # fmt: skip
+            pipe.send(step("long", 20 + len(long_out)))
+            assert pipe.reply()[1].results[0].error is None
+        finally:
+            pipe.close()
+    assert sorted(forwards[: len(SHORTS)]) == sorted([len(p)] for p in SHORTS.values())
+    for rid, prompt in SHORTS.items():
+        assert out[rid] == target_only(prompt, 1), rid
