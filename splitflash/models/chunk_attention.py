@@ -61,9 +61,39 @@ def _cudnn_shape(q: torch.Tensor) -> bool:
 
 def cudnn_chosen(q: torch.Tensor, cached: int) -> bool:
     """Whether a CUDA chunk of q [1, H, c, D] after `cached` keys goes to cuDNN (else to
-    FlashAttention): enough work to pay for a graph build (see CUDNN_MIN_WORK)."""
+    FlashAttention): enough work to pay for a graph build (see CUDNN_MIN_WORK), or a
+    FlashAttention whose log-sum-exp failed the check of `flash_lse_agrees`."""
     _, heads, chunk, dim = q.shape
-    return chunk * cached * heads * dim >= CUDNN_MIN_WORK
+    big = chunk * cached * heads * dim >= CUDNN_MIN_WORK
+    return big or (q.is_cuda and not flash_lse_agrees(q.device, q.dtype, dim))
+
+
+_flash_checked: dict[tuple, bool] = {}
+
+
+def flash_lse_agrees(device: torch.device, dtype: torch.dtype, dim: int) -> bool:
+    """Once per (device, dtype, head dim): a small chunk split through FlashAttention and
+    merged by its log-sum-exp equals masked SDPA in fp32. The merge takes the log-sum-exp as
+    natural-log rows [1, H, T]; a torch whose kernel returned another convention would give
+    wrong attention without an error, so then every chunk goes to cuDNN (logged)."""
+    key = (device, dtype, dim)
+    if key not in _flash_checked:
+        g = torch.Generator(device).manual_seed(0)
+        q, k, v = (torch.randn(1, 2, n, dim, generator=g, device=device) for n in (5, 12, 12))
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(5, 12))
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        try:
+            got = _merge(_attend_lse(q, k[:, :, :7], v[:, :, :7], False, None, False),
+                         _attend_lse(q, k[:, :, 7:], v[:, :, 7:], True, None, False))  # fmt: skip
+            ok = bool((got.float() - want).abs().max() < 0.05)  # bf16 rounding: ~1e-2
+        except RuntimeError:  # no FlashAttention kernel for this GPU or shape
+            ok = False
+        if not ok:
+            log.warning("prefill chunks: FlashAttention's log-sum-exp failed its check "
+                        "on %s (%s, head dim %d); cuDNN takes every chunk",
+                        device, dtype, dim)  # fmt: skip
+        _flash_checked[key] = ok
+    return _flash_checked[key]
 
 
 def _attend_lse(q, k, v, causal: bool, scale, cudnn: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,18 +113,23 @@ def _attend_lse(q, k, v, causal: bool, scale, cudnn: bool) -> tuple[torch.Tensor
     return out, lse.reshape(q.shape[:3]).float()
 
 
+def _merge(old: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor]):
+    """Two (out [1, H, T, D], lse [1, H, T]) over disjoint keys -> out over all of them."""
+    (o_old, lse_old), (o_new, lse_new) = old, new
+    top = torch.maximum(lse_old, lse_new)
+    w_old, w_new = torch.exp(lse_old - top), torch.exp(lse_new - top)  # [1, H, T]
+    total = (w_old + w_new)[..., None]
+    merged = (o_old.float() * w_old[..., None] + o_new.float() * w_new[..., None]) / total
+    return merged.to(o_old.dtype)
+
+
 def chunk_attention_split(q, k, v, scale) -> torch.Tensor:
     """q [1, H, c, D] at the last c of k/v's L positions [1, H, L, D] -> [1, H, c, D]:
     what SDPA with causal_lower_right(c, L) gives."""
     p = k.shape[2] - q.shape[2]  # cached keys before the chunk
     cudnn = cudnn_chosen(q, p)
-    o_old, lse_old = _attend_lse(q, k[:, :, :p], v[:, :, :p], False, scale, cudnn)
-    o_new, lse_new = _attend_lse(q, k[:, :, p:], v[:, :, p:], True, scale, cudnn)
-    top = torch.maximum(lse_old, lse_new)
-    w_old, w_new = torch.exp(lse_old - top), torch.exp(lse_new - top)  # [1, H, c]
-    total = (w_old + w_new)[..., None]
-    merged = (o_old.float() * w_old[..., None] + o_new.float() * w_new[..., None]) / total
-    return merged.to(q.dtype)
+    return _merge(_attend_lse(q, k[:, :, :p], v[:, :, :p], False, scale, cudnn),
+                  _attend_lse(q, k[:, :, p:], v[:, :, p:], True, scale, cudnn))  # fmt: skip
 
 
 def chunk_attention(q, k, v, scale) -> torch.Tensor:
@@ -105,6 +140,7 @@ def chunk_attention(q, k, v, scale) -> torch.Tensor:
     c, length = q.shape[2], k.shape[2]
     whole = c == length
     flash_whole = whole and q.is_cuda and split_chosen(q) and not cudnn_chosen(q, c // 2)
+    # (the whole prompt needs no log-sum-exp, but one failed check keeps torch's pick)
     if flash_whole or (not whole and split_chosen(q)):
         try:
             if whole:

@@ -110,6 +110,7 @@ def test_a_prompt_prefilled_through_split_chunks_leaves_what_one_forward_leaves(
 def test_the_split_chunk_on_the_gpu_in_bf16(monkeypatch, chunk, cached, min_work):
     """The CUDA paths: cuDNN's op or FlashAttention's, and their log-sum-exps."""
     monkeypatch.setattr(mod, "CUDNN_MIN_WORK", min_work)
+    assert mod.flash_lse_agrees(torch.device("cuda"), torch.bfloat16, 64)  # else no flash
     q, k, v = _case(chunk, cached, "cuda", torch.bfloat16, heads=9, dim=64)
     want = _masked(q.float(), k.float(), v.float())
     got = chunk_attention_split(q, k, v, None).float()
@@ -127,6 +128,7 @@ def test_the_split_chunk_on_the_gpu_in_bf16(monkeypatch, chunk, cached, min_work
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_small_chunks_take_flash_attention_and_big_ones_cudnn(monkeypatch):
     """cuDNN's graph build per new key count costs more than it saves on small chunks."""
+    assert mod.flash_lse_agrees(torch.device("cuda"), torch.bfloat16, 64)  # checked before
     seen = []
     real = mod._attend_lse
     monkeypatch.setattr(mod, "_attend_lse", lambda *a: seen.append(a[-1]) or real(*a))
@@ -150,3 +152,18 @@ def test_the_gpu_splits_cudnn_shapes_and_masks_the_others(monkeypatch):
             torch.testing.assert_close(got, _masked(q, k, v))
         assert len(calls) == splits, (dtype, dim)
         calls.clear()
+
+
+@pytest.mark.parametrize("lse_as", ["natural", "base 2", "zeros"])
+def test_the_flash_check_fails_a_log_sum_exp_of_another_convention(monkeypatch, lse_as):
+    """flash_lse_agrees passes the kernel's own log-sum-exp (the CPU kernel stands in for
+    CUDA's here) and fails one in another base or none: such a kernel gets no chunk."""
+    real = mod._attend_lse
+
+    def attend(*args):
+        out, lse = real(*args)
+        return out, {"natural": lse, "base 2": lse / 0.6931471805599453, "zeros": 0 * lse}[lse_as]
+
+    monkeypatch.setattr(mod, "_attend_lse", attend)
+    monkeypatch.setattr(mod, "_flash_checked", {})
+    assert mod.flash_lse_agrees(torch.device("cpu"), torch.float32, 16) == (lse_as == "natural")
