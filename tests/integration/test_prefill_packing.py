@@ -4,7 +4,7 @@ Over real sockets (verify in a thread, the tiny random target, forwards slowed s
 messages queue): four short Prefills sent while a long prompt's chunk runs are answered
 from ONE forward holding all four, the long prompt keeps forwards of its own, and every
 request then decodes as target-only decoding says. With a time budget set and a request
-decoding, nothing is packed with a sized chunk.
+decoding, a forward takes along only the prompts its budget has room for.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 import pytest
 
 from splitflash.protocol import PrefillReply
+from splitflash.services.verify.chunk_sizer import ChunkSizer
 from tests.integration.test_prefill_interleaving import (
     LONG,
     Pipe,
@@ -76,23 +77,37 @@ def test_short_prompts_sent_together_share_one_forward():
         assert out[rid] == target_only(prompt, 4), rid
 
 
-def test_a_time_budget_with_a_request_decoding_packs_nothing():
-    with running(verify_server(chunk=64)) as v:
-        from splitflash.services.verify.chunk_sizer import ChunkSizer
+class SyntheticSizer(ChunkSizer):
+    """Observes each forward's synthetic cost (so its fit is exact) instead of wall time."""
 
-        v.chunk_sizer = ChunkSizer(10.0, 64)  # a budget never binding: sizes stay 64
+    def observe_pack(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+        super().observe_pack(chunks, sum(cost(n, c) for n, c in chunks))
+
+
+def cost(n: int, c: int) -> float:
+    """Synthetic seconds of n prompt tokens after c cached: 5 / 9 / 13 / 17 tokens at 0
+    cost 6.25 / 13.05 / 21.45 / 31.45 ms."""
+    return 1e-3 * n + 1e-4 * n * (c + n / 2)
+
+
+def test_with_a_time_budget_and_a_request_decoding_partners_fit_the_budget():
+    """Budget 35 ms: s0 (6.25) takes s1 (13.05) along, 15.7 ms left is too little for s2
+    (21.45) or s3 (31.45); s2 then leaves too little for s3."""
+    with running(verify_server(chunk=64)) as v:
+        v.chunk_sizer = sizer = SyntheticSizer(0.035, 64)
+        for c in (0, 1000):  # two context-to-size ratios: the fit is exact from the start
+            sizer.observe(64, c, 0.0)
         pipe = Pipe(v.endpoint)
         try:
             pipe.send(prefill("long", LONG[:20]))  # decoding from here on
             long_out = list(pipe.reply()[1].results[0].committed_ids)
-            forwards = record_forwards(v, 0.05)
-            calls = {pipe.send(prefill(rid, p)): rid for rid, p in SHORTS.items()}
-            out = {calls[c]: list(r.results[0].committed_ids) for c, r in
-                   (pipe.reply() for _ in calls)}  # fmt: skip
+            forwards = record_forwards(v, 0.05)  # the step's forward: the shorts all arrive
             pipe.send(step("long", 20 + len(long_out)))
-            assert pipe.reply()[1].results[0].error is None
+            calls = {pipe.send(prefill(rid, p)): rid for rid, p in SHORTS.items()}
+            replies = [pipe.reply() for _ in range(len(calls) + 1)]
         finally:
             pipe.close()
-    assert sorted(forwards[: len(SHORTS)]) == sorted([len(p)] for p in SHORTS.values())
+    out = {calls[c]: list(r.results[0].committed_ids) for c, r in replies if c in calls}
+    assert forwards == [[1], [5, 9], [13], [17]], forwards
     for rid, prompt in SHORTS.items():
         assert out[rid] == target_only(prompt, 1), rid

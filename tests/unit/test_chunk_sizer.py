@@ -115,3 +115,12 @@ def test_packed_forwards_fit_as_the_sum_of_their_chunks():
         sizer.observe_pack(packs, sum(cost(n, c) for n, c in packs))
     a, b = sizer.coefficients()
     assert a == pytest.approx(A, rel=1e-6) and b == pytest.approx(B, rel=1e-6)
+
+
+def test_estimates_of_a_pack_and_what_the_budget_leaves_beside_it():
+    sizer = ChunkSizer(0.05, 8192)
+    assert sizer.estimate([(100, 0)]) == float("inf") and sizer.spare_seconds([(1, 0)]) < 0
+    run_prompt(sizer, 3 * 8192)  # an exact fit
+    pack = [(300, 0), (2000, 50_000)]
+    assert sizer.estimate(pack) == pytest.approx(sum(cost(n, c) for n, c in pack), rel=1e-6)
+    assert sizer.spare_seconds(pack) == pytest.approx(0.05 - sizer.estimate(pack))

@@ -62,6 +62,18 @@ class ChunkSizer:
                 return a_r, b_r
         return a, b
 
+    def estimate(self, chunks: list[tuple[int, int]]) -> float:
+        """Seconds the fit says one forward of these (tokens, cached) chunks takes; inf
+        before any chunk was seen."""
+        fit = self.coefficients()
+        if fit is None:
+            return math.inf
+        return sum(fit[0] * n + fit[1] * n * (c + n / 2) for n, c in chunks)
+
+    def spare_seconds(self, chunks: list[tuple[int, int]]) -> float:
+        """What the budget leaves beside these chunks in one forward (<= 0: nothing)."""
+        return self.budget_s - self.estimate(chunks)
+
     def tokens(self, cached: int, others_waiting: bool) -> int:
         """Prompt tokens for the chunk after `cached`: prefill_chunk unless requests wait."""
         fit = self.coefficients() if others_waiting else None

@@ -123,13 +123,12 @@ class PrefillJob(Deferred):
             return
         server, sizer, cached = self.server, self.server.chunk_sizer, run.cached
         decoding = bool(server.engine.seqs)
-        # Decoding requests wait for this chunk: sized to the time budget, if one is set
-        # (and then nothing packed with it: the budget is this chunk's).
+        # Decoding requests wait for this chunk: sized to the time budget, if one is set.
         size = None if sizer is None else sizer.tokens(cached, decoding)
-        pack: list[tuple[PrefillJob, int | None]] = [(self, size)]
-        if sizer is None or not decoding:
-            own = min(size or server.engine.prefill_chunk, len(run.prompt) - cached)
-            pack += _partners(self, server.engine.prefill_chunk - own)
+        own = min(size or server.engine.prefill_chunk, len(run.prompt) - cached)
+        # Partners within the chunk's tokens, and within its time budget when one binds.
+        spare = None if sizer is None or not decoding else sizer.spare_seconds([(own, cached)])
+        pack = [(self, size), *_partners(self, server.engine.prefill_chunk - own, spare)]
         before = [job._run[1].cached for job, _ in pack]
         t = time.perf_counter()
         try:
@@ -205,20 +204,29 @@ class PrefillJob(Deferred):
         return PrefillReply(results=results, timings=timings)
 
 
-def _partners(lead: PrefillJob, tokens: int) -> list[tuple[PrefillJob, int | None]]:
+def _partners(lead: PrefillJob, tokens: int, spare_s: float | None):
     """Other open Prefills (in arrival order) whose whole remaining prompt fits in `tokens`
-    more of the lead's forward: short prompts admitted together share one forward, while a
-    long prompt keeps chunks of its own (a part of one would read its whole context for a
-    few tokens)."""
+    more of the lead's forward and, when spare_s is given, whose estimated time fits in
+    spare_s more seconds of its budget (ChunkSizer.estimate). Short prompts admitted
+    together share one forward, while a long prompt keeps chunks of its own (a part of one
+    would read its whole context for a few tokens)."""
     out: list[tuple[PrefillJob, int | None]] = []
+    sizer = lead.server.chunk_sizer
     for job in lead.server.open_prefills():
-        if tokens < 1:
+        if tokens < 1 or (spare_s is not None and spare_s <= 0):
             break
         if job is lead:
             continue
         job._start_next()
         run = None if job._run is None else job._due_run()
-        if run is not None and len(run.prompt) - run.cached <= tokens:
-            out.append((job, None))
-            tokens -= len(run.prompt) - run.cached
+        if run is None or len(run.prompt) - run.cached > tokens:
+            continue
+        n = len(run.prompt) - run.cached
+        if spare_s is not None:
+            cost = sizer.estimate([(n, run.cached)])
+            if cost > spare_s:
+                continue
+            spare_s -= cost
+        out.append((job, None))
+        tokens -= n
     return out
