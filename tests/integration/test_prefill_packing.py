@@ -9,19 +9,24 @@ decoding, a forward takes along only the prompts its budget has room for.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from splitflash.protocol import PrefillReply
+from splitflash.services.gateway.config import GatewaySettings
 from splitflash.services.verify.chunk_sizer import ChunkSizer
 from tests.integration.test_prefill_interleaving import (
     LONG,
     Pipe,
+    _collect,
+    _job,
     prefill,
     step,
     target_only,
     verify_server,
+    with_gateway,
 )
 from tests.integration.workers_harness import running
 
@@ -29,14 +34,15 @@ pytestmark = pytest.mark.timeout(120)
 SHORTS = {f"s{i}": [(i * 7 + j * 3) % 90 + 1 for j in range(5 + 4 * i)] for i in range(4)}
 
 
-def record_forwards(server, pause_s: float) -> list[list[int]]:
-    """The q_lens of every forward of the server's target, each slowed by pause_s."""
+def record_forwards(server, pause_s: float, slow_first_s: float = 0.0) -> list[list[int]]:
+    """The q_lens of every forward of the server's target, each slowed by pause_s (the
+    first by slow_first_s more)."""
     seen: list[list[int]] = []
     forward = server.engine.model.forward
 
     def recorded(batch, *args, **kwargs):
         seen.append(list(batch.meta.q_lens))
-        time.sleep(pause_s)
+        time.sleep(pause_s + (slow_first_s if len(seen) == 1 else 0.0))
         return forward(batch, *args, **kwargs)
 
     server.engine.model.forward = recorded
@@ -111,3 +117,30 @@ def test_with_a_time_budget_and_a_request_decoding_partners_fit_the_budget():
     assert forwards == [[1], [5, 9], [13], [17]], forwards
     for rid, prompt in SHORTS.items():
         assert out[rid] == target_only(prompt, 1), rid
+
+
+def test_requests_admitted_together_through_the_gateway_share_a_prefill_forward():
+    """The gateway sends one Prefill per request; those that reach the worker during one
+    forward are all served before the next slice, so the first of them takes the rest."""
+    with running(verify_server(chunk=64)) as v:
+        forwards = record_forwards(v, 0.0, slow_first_s=0.3)
+        settings = GatewaySettings(verify_addr=v.endpoint, draft_addr="")
+
+        async def go(runtime):
+            first = _job("first", SHORTS["s0"], 2)  # its prefill forward: 0.3 s
+            runtime.orchestrator.submit(first)
+            await asyncio.sleep(0.1)
+            jobs = [_job(rid, p, 3) for rid, p in SHORTS.items() if rid != "s0"]
+            for job in jobs:
+                runtime.orchestrator.submit(job)  # no await between: one admission batch
+            outs = await asyncio.gather(*(_collect(j, []) for j in [first, *jobs]))
+            return dict(zip(["first", *[j.request_id for j in jobs]], outs, strict=True))
+
+        out = with_gateway(settings, go)
+    lens = sorted(len(SHORTS[r]) for r in ("s1", "s2", "s3"))
+    assert forwards[0] == [len(SHORTS["s0"])]
+    assert [sorted(f) for f in forwards].count(lens) == 1, forwards
+    assert not [f for f in forwards if len(f) == 1 and f[0] in lens], forwards  # none alone
+    assert out["first"] == target_only(SHORTS["s0"], 2)
+    for rid in ("s1", "s2", "s3"):
+        assert out[rid] == target_only(SHORTS[rid], 3), rid
