@@ -3,14 +3,7 @@
 Services import from here; see each module's docstring for the contract it holds.
 """
 
-from splitflash.protocol.client import (
-    AsyncClient,
-    Client,
-    async_handshake,
-    check_hello_reply,
-    handshake,
-    make_hello,
-)
+from splitflash.protocol.client import AsyncClient, Client
 from splitflash.protocol.codec import (
     DRAFT_REQUESTS,
     DRAFT_RESPONSES,
@@ -24,6 +17,7 @@ from splitflash.protocol.codec import (
     probe_protocol_version,
 )
 from splitflash.protocol.errors import PeerTimeout, ProtocolError, ProtocolMismatch, RemoteError
+from splitflash.protocol.hello import async_handshake, check_hello_reply, handshake, make_hello
 from splitflash.protocol.messages import (
     PROTOCOL_VERSION,
     Draft,
