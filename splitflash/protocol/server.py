@@ -235,7 +235,7 @@ def _abandon(sock: zmq.Socket, open_calls: deque[_Open], responses: Codec[Any],
         _send(sock, call.peer, call.call_id, stop, (), responses, on_error)
 
 
-# Messages served at most before the next slice of an open Deferred.
+# Messages that open Deferreds served at most in a row before the next slice.
 QUEUED_PER_SLICE = 16
 
 
@@ -255,12 +255,13 @@ def serve_forever(
 
     `on_idle` runs after every `poll_ms` without a message or open Deferred: background
     work that must not delay a message already waiting (keep each call short). Deferred
-    calls advance one slice after the messages already waiting are served (at most
-    QUEUED_PER_SLICE), so neither messages nor deferred work can starve the other, and
-    Deferreds that arrive together are all open at the next slice (the verify server packs
-    Prefills that are open at once into one forward). `clock` (QueueClock) is kept up to
-    date for the handler to read. Returns on stop or when the context is terminated; the
-    socket stays the caller's.
+    calls advance one slice after each message answered at once, so neither messages nor
+    deferred work can starve the other; after a message that opens a Deferred, the next
+    ones already waiting are served first (at most QUEUED_PER_SLICE in a row), so Deferreds
+    that arrive together are all open at the next slice (the verify server packs Prefills
+    open at once into one forward). `clock` (QueueClock) is kept up to date for the handler
+    to read. Returns on stop or when the context is terminated; the socket stays the
+    caller's.
     """
     report: OnError = on_error or (lambda code: None)
     clock = clock or QueueClock()
@@ -282,10 +283,9 @@ def serve_forever(
             opened = serve_one(
                 sock, frames, handler, requests=requests, responses=responses, on_error=report
             )
-            if opened is not None:
-                open_calls.append(opened)
-            if not open_calls:
-                break
+            if opened is None:
+                break  # answered at once: a slice next, as after any such message
+            open_calls.append(opened)
         if not served and not open_calls:
             if on_idle is not None:
                 on_idle()

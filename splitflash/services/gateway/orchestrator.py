@@ -15,17 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 
-from splitflash.protocol import (
-    Prefill,
-    PrefillReply,
-    Release,
-    RemoteError,
-    Verify,
-    VerifyReply,
-)
+from splitflash.protocol import PrefillReply, Release, RemoteError
 from splitflash.services.common.metrics import GatewayMetrics
 from splitflash.services.gateway.api_errors import ApiError
 from splitflash.services.gateway.config import GatewaySettings
@@ -38,7 +30,7 @@ from splitflash.services.gateway.recovery import Recovery, recovery_for
 from splitflash.services.gateway.results import commit, fail, finish
 from splitflash.services.gateway.spec_gate import ContextGates
 from splitflash.services.gateway.step_record import StepTimer, record_gate, record_result
-from splitflash.services.gateway.wire_items import prefill_items, verify_items
+from splitflash.services.gateway.worker_calls import call_prefill, call_verify
 
 log = logging.getLogger("splitflash.gateway.orchestrator")
 MAX_PENDING_RELEASES = 4096  # ids kept per down worker until it is back (then released)
@@ -160,7 +152,7 @@ class Orchestrator:
         wanted) and the loop wakes."""
         link = job.verify
         try:
-            reply = await self._call_prefill(link, job)
+            reply = await call_prefill(link, job, self.settings, self.drafting.draft_peer)
             self.prefilling.remove(job)
             if not job.done:  # cancelled while prefilling: _reap released it already
                 self.running.append(job)
@@ -171,17 +163,6 @@ class Orchestrator:
             self.prefilling = [j for j in self.prefilling if j is not job]
         finally:
             self._wake.set()
-
-    async def _call_prefill(self, link: WorkerLink, job: Job) -> PrefillReply | Exception:
-        timeout = self.settings.prefill_timeout_s(job.base_len)
-        job.attempts += 1
-        job.verify_generation = link.generation
-        items = prefill_items([job], time.time() + timeout, self.drafting.draft_peer)
-        try:
-            reply, _ = await link.call(Prefill(items=items), timeout_s=timeout, expect=PrefillReply)
-        except Exception as exc:  # noqa: BLE001 - handled by the caller
-            return exc
-        return reply
 
     def _prefilled(self, link: WorkerLink, job: Job, reply: PrefillReply | Exception):
         if isinstance(reply, Exception):
@@ -216,7 +197,7 @@ class Orchestrator:
         timer.mark("draft")
         groups = group_by(jobs, lambda j: j.verify)
         replies = await asyncio.gather(
-            *(self._verify_on(link, group, drafts) for link, group in groups.items())
+            *(call_verify(link, group, drafts, self.settings) for link, group in groups.items())
         )
         ok = [r for r in replies if not isinstance(r, Exception)]
         timer.mark("verify", max((r.timings.get("total", 0.0) for r in ok), default=0.0),
@@ -239,19 +220,6 @@ class Orchestrator:
         if gate is not None:
             record_gate(gate, bucket, bool(drafts), committed, timer.start, self.metrics)
         timer.finish(self.metrics, longest)
-
-    async def _verify_on(
-        self, link: WorkerLink, jobs: list[Job], drafts: dict[str, list[int]]
-    ) -> VerifyReply | Exception:
-        deadline = time.time() + self.settings.verify_timeout_s
-        items = verify_items(jobs, deadline, drafts)
-        try:
-            reply, _ = await link.call(
-                Verify(items=items), timeout_s=self.settings.verify_timeout_s, expect=VerifyReply
-            )
-        except Exception as exc:  # noqa: BLE001 - handled per worker by the caller
-            return exc
-        return reply
 
     # --- worker loss -----------------------------------------------------------------
     def _worker_failed(self, link: WorkerLink, jobs: list[Job], exc: Exception) -> None:
