@@ -246,3 +246,43 @@ def test_a_message_that_waits_behind_idle_work_is_told_only_that(ctx):
         stop.set()
         loop.join(timeout=T)
         router.close(linger=0)
+
+
+class NappingHandler(SlicedHandler):
+    """SlicedHandler whose "nap:n" call sleeps 0.2 s before opening (messages queue), and
+    which notes how many slices every open call had run when each call opened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slices_at_open: dict[str, int] = {}
+
+    def __call__(self, msg: Any, frames: list[zmq.Frame]) -> Any:
+        name = msg.request_ids[0].partition(":")[0]
+        self.slices_at_open[name] = sum(w.slices for w in self.opened.values())
+        if name == "nap":
+            time.sleep(0.2)
+        return super().__call__(msg, frames)
+
+
+def test_deferred_calls_waiting_together_all_open_before_the_next_slice(ctx):
+    """Calls that queue while the loop is busy are opened in a row, so the first slice
+    sees them all (the verify server packs such Prefills into one forward); a message
+    answered at once is still followed by a slice."""
+    handler = NappingHandler()
+    for server in start_server(ctx, handler):
+        peer = server.dealer()
+        _send(peer, 1, Release(request_ids=["nap:2"]))
+        time.sleep(0.05)  # inside nap's handling: the next three queue
+        for call, name in ((2, "a:2"), (3, "b:2"), (4, "c:2")):
+            _send(peer, call, Release(request_ids=[name]))
+        replies = dict(_reply(peer) for _ in range(4))
+        assert set(replies) == {1, 2, 3, 4}
+        assert handler.slices_at_open == {"nap": 0, "a": 0, "b": 0, "c": 0}
+        # answered at once, then a slice: the open call advances between quick messages
+        _send(peer, 5, Release(request_ids=["long:gate"]))
+        for call in (6, 7, 8):
+            _send(peer, call, Release(request_ids=["quick"]))
+            assert _reply(peer) == (call, ReleaseReply(released=["quick"]))
+        assert handler.opened["long"].slices >= 3
+        handler.gate.set()
+        assert _reply(peer) == (5, ReleaseReply(released=["long"]))
