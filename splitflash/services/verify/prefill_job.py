@@ -125,7 +125,7 @@ class PrefillJob(Deferred):
         decoding = bool(server.engine.seqs)
         # Decoding requests wait for this chunk: sized to the time budget, if one is set.
         size = None if sizer is None else sizer.tokens(cached, decoding)
-        own = min(size or server.engine.prefill_chunk, len(run.prompt) - cached)
+        own = min(size or server.engine.prefill_chunk, run.tokens_left)
         # Partners within the chunk's tokens, and within its time budget when one binds.
         spare = None if sizer is None or not decoding else sizer.spare_seconds([(own, cached)])
         pack = [(self, size), *_partners(self, server.engine.prefill_chunk - own, spare)]
@@ -219,9 +219,9 @@ def _partners(lead: PrefillJob, tokens: int, spare_s: float | None):
             continue
         job._start_next()
         run = None if job._run is None else job._due_run()
-        if run is None or len(run.prompt) - run.cached > tokens:
+        if run is None or run.tokens_left > tokens:
             continue
-        n = len(run.prompt) - run.cached
+        n = run.tokens_left
         if spare_s is not None:
             cost = sizer.estimate([(n, run.cached)])
             if cost > spare_s:

@@ -70,8 +70,12 @@ class PromptRun:
         self._hidden: list[torch.Tensor] = []  # feature rows of each chunk: [chunk, F]
 
     @property
+    def tokens_left(self) -> int:  # prompt tokens not yet in the cache
+        return len(self.prompt) - self.cached
+
+    @property
     def chunks_left(self) -> int:  # at prefill_chunk tokens each
-        return -(-(len(self.prompt) - self.cached) // self.engine.prefill_chunk)
+        return -(-self.tokens_left // self.engine.prefill_chunk)
 
     def advance(self, max_tokens: int | None = None) -> StepReport | None:
         """One chunk of at most max_tokens (default and cap: prefill_chunk) into the KV
