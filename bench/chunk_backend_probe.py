@@ -3,7 +3,8 @@ FlashAttention-2: wall and host ms per layer for the default model's heads (9 x 
 30 calls (a forward's layers) then a sync, with the cached-key count seen before or new
 each round (as every chunk's is); then a whole prompt's causal attention, torch's pick
 (F.scaled_dot_product_attention) against FlashAttention, at a new length and a length seen.
-It measured where cuDNN's per-shape graph build pays (chunk_attention.CUDNN_MIN_WORK).
+It measured where cuDNN's per-shape graph build pays (chunk_attention.CUDNN_MIN_WORK); the
+first rows time a new shape's first call against its next ones.
 CUDA only.
 
     python -m bench.chunk_backend_probe
@@ -67,6 +68,31 @@ def _split_rows(heads: int, dim: int) -> None:
                   flush=True)  # fmt: skip
 
 
+def _build_rows(heads: int, dim: int) -> None:
+    """Where a new key count's cost falls: the first cuDNN call of a new shape against the
+    next calls of that same shape (one forward's 30 layers share a chunk's shape), each call
+    timed alone with a sync."""
+    import torch
+
+    cudnn, flash = _ops()
+    for p, c in ((100_000, 1024), (185_000, 256), (185_000, 8192)):
+        q = torch.randn(1, heads, c, dim, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(1, heads, p + c, dim, device="cuda", dtype=torch.bfloat16)
+        row = []
+        for name, fn in (("cudnn", cudnn), ("flash", flash)):
+            for half, (k, causal) in (("cached", (kv[:, :, : p - 7], False)),
+                                      ("causal", (kv[:, :, p - 7 :], True))):  # fmt: skip
+                times = []
+                for _ in range(4):  # a shape not seen before, then the same shape 3 times
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    fn(q, k, k, causal)
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                row.append(f"{name} {half} {times[0]:.2f} then {min(times[1:]):.2f}")
+        print(f"new shape p {p:>6} c {c:>5}: " + "  ".join(row) + "  (ms per call)", flush=True)
+
+
 def _whole_rows(heads: int, dim: int) -> None:
     import torch
     import torch.nn.functional as F
@@ -97,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--dim", type=int, default=64)
     a = p.parse_args(argv)
+    _build_rows(a.heads, a.dim)
     _split_rows(a.heads, a.dim)
     _whole_rows(a.heads, a.dim)
     return 0

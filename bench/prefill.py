@@ -69,6 +69,7 @@ def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool,
         engine.release(f"p{i}")
     return dict(context=len(prompt), chunk=chunk, budget_ms=budget_ms,
                 seconds=statistics.median(seconds[1:]), chunks=counts[-1],
+                first_seconds=seconds[0],  # the warm-up: every shape new to this process
                 slowest_chunk_s=statistics.median(slowest[1:]),
                 chunk_tokens=sizes, chunk_seconds=chunk_s,  # the last run's
                 peak_gib=max(peaks[1:]) if cuda else None)  # fmt: skip
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-ms", type=float, nargs="*", default=[],
                    help="also: chunks sized to this many ms each, as PREFILL_CHUNK_MS does "
                    "while streams decode (at most the largest --chunks)")  # fmt: skip
+    p.add_argument("--cudnn-min-work", type=float, nargs="*", default=[],
+                   help="also: each run again with chunk_attention.CUDNN_MIN_WORK set to this "
+                   "(0: every chunk through cuDNN)")  # fmt: skip
     p.add_argument("--json-out", type=Path, default=None)
     p.add_argument("--verbose", action="store_true", help="print every chunk's size and time")
     p.add_argument("--shape", default=None,
@@ -95,20 +99,27 @@ def main(argv: list[str] | None = None) -> int:
     if any(c < 0 for c in args.chunks) or args.reps < 1 or any(m <= 0 for m in args.chunk_ms):
         p.error("--chunks must be >= 0 (0: whole prompt), --reps >= 1, --chunk-ms > 0")
     engine, prompts = _random_setup(args) if args.shape else _checkpoint_setup(args)
+    from splitflash.models import chunk_attention
+
+    shipped = chunk_attention.CUDNN_MIN_WORK
     cuda = args.device.startswith("cuda")
     rows = []
     for ctx in args.contexts:
         prompt = prompts(ctx)
         cap = max(args.chunks) or len(prompt)
         runs = [(c, None) for c in args.chunks] + [(cap, ms) for ms in args.chunk_ms]
-        for chunk, budget_ms in runs:
-            row = measure(engine, prompt, chunk, args.reps, cuda, budget_ms, args.verbose)
-            rows.append(row)
-            peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
-            name = f"{budget_ms:g} ms" if budget_ms else chunk or "whole"
-            print(f"ctx {ctx:>7} chunk {name:>6}: {row['seconds']:.3f} s in {row['chunks']} "
-                  f"chunks, slowest chunk {row['slowest_chunk_s']:.3f} s{peak}",
-                  flush=True)  # fmt: skip
+        for work in [chunk_attention.CUDNN_MIN_WORK, *args.cudnn_min_work]:
+            chunk_attention.CUDNN_MIN_WORK = work
+            for chunk, budget_ms in runs:
+                row = measure(engine, prompt, chunk, args.reps, cuda, budget_ms, args.verbose)
+                rows.append(dict(row, cudnn_min_work=work))
+                peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
+                name = f"{budget_ms:g} ms" if budget_ms else chunk or "whole"
+                print(f"ctx {ctx:>7} chunk {name:>6} cudnn from {work:.2g}: {row['seconds']:.3f}"
+                      f" s in {row['chunks']} chunks (first run {row['first_seconds']:.3f} s),"
+                      f" slowest chunk {row['slowest_chunk_s']:.3f} s{peak}",
+                      flush=True)  # fmt: skip
+        chunk_attention.CUDNN_MIN_WORK = shipped
     if args.json_out:
         meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu",
                     target=args.shape or args.target, random_weights=bool(args.shape))  # fmt: skip
