@@ -122,10 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.chunk_backend_probe", description=__doc__)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("build", "split", "whole"),
+        default=["build", "split", "whole"],
+        help="which tables to measure",
+    )
     a = p.parse_args(argv)
-    _build_rows(a.heads, a.dim)
-    _split_rows(a.heads, a.dim)
-    _whole_rows(a.heads, a.dim)
+    for part in a.parts:
+        dict(build=_build_rows, split=_split_rows, whole=_whole_rows)[part](a.heads, a.dim)
     return 0
 
 

@@ -1,12 +1,12 @@
 #!/bin/bash
 # Session 36, on a GPU (carry [".whl"]): where cuDNN's per-shape cost falls in a prefill chunk
-#   bash bench/gpu_s36.sh a   (~200 s) the probe (a new shape's first call against its next
-#        ones, then session 35's tables), and the 185k prompt in chunks of 8192 with the
+#   bash bench/gpu_s36.sh a   (~150 s) the probe of a new shape's first call against its next
+#        ones, and the 185k prompt in chunks of 8192 with the
 #        shipped CUDNN_MIN_WORK (3.5e11), 1.2e11, and 0 (every chunk through cuDNN)
 source bench/gpu_setup.sh
 
 if [ "$1" = a ]; then
-  timeout 60 python3 -m bench.chunk_backend_probe 2>&1 | grep -v "^p \|^whole" | tail -5
+  timeout 60 python3 -m bench.chunk_backend_probe --parts build 2>&1 | tail -4
   timeout 200 python3 -m bench.prefill --shape smollm2-135m --contexts 185000 --chunks 8192 \
     --cudnn-min-work 1.2e11 0 --reps 2 --json-out "$OUT/prefill_s36.json" 2>&1 \
     | grep "^ctx"
