@@ -70,6 +70,7 @@ def measure(engine, prompt: list[int], chunk: int, reps: int, cuda: bool,
     return dict(context=len(prompt), chunk=chunk, budget_ms=budget_ms,
                 seconds=statistics.median(seconds[1:]), chunks=counts[-1],
                 first_seconds=seconds[0],  # the warm-up: every shape new to this process
+                run_seconds=seconds[1:],
                 slowest_chunk_s=statistics.median(slowest[1:]),
                 chunk_tokens=sizes, chunk_seconds=chunk_s,  # the last run's
                 peak_gib=max(peaks[1:]) if cuda else None)  # fmt: skip

@@ -17,13 +17,18 @@ unset or 1 splits wherever the fused kernels take the shape (on CUDA: bf16 / fp1
 <= 128 dims), 0 never (a whole prompt then goes to torch's pick too). If a fused call
 raises, the process logs it once and uses SDPA as torch picks it from then on.
 
-On CUDA each half goes to cuDNN or to FlashAttention-2 by the chunk's work. cuDNN builds an
-execution graph for every new key count, and a chunk's cached-key count is new every chunk:
-on an H100 that cost 2.7-3.0 ms of host time per layer, not hidden behind the GPU's work,
-against 0.06 ms for FlashAttention, whose kernels run 1.4-1.8x longer on big chunks than
-cuDNN's (bench/RESULTS.md "Session 35", bench.chunk_backend_probe). So a chunk of 256 tokens
-after 185k keys took 4.5 ms a layer through cuDNN and 0.4 through FlashAttention, and one of
-8192 took 11.5 against 14.5.
+On CUDA each half goes to cuDNN or to FlashAttention-2. cuDNN's kernels run 1.4-1.8x
+faster on chunks of 2048 tokens and more, but its first call of a new shape builds an
+execution graph: 44-60 ms on an H100 (later calls of that shape reuse it), and a chunk's
+cached-key count may be new every chunk (chunks sized to a time budget). FlashAttention has
+no such cost. So cuDNN takes a chunk whose work (chunk x cached x heads x dim) is past
+CUDNN_MIN_WORK, where it pays a build in the one chunk, or a chunk of at least
+CUDNN_MIN_CHUNK tokens whose shape was asked for before: chunks of PREFILL_CHUNK tokens
+start at the same key counts in every long prompt, so their builds are paid once (by the
+second prompt) and the later ones run at cuDNN's speed. Measured on an H100, the default
+model's heads (bench/RESULTS.md "Session 36"): a 185k prompt in chunks of 8192 took 3.85 s
+with the work rule alone, 3.39 s with every chunk through cuDNN, shapes seen; a chunk of
+256 tokens after 185k keys takes 1.8 ms a layer through cuDNN, 0.4 through FlashAttention.
 """
 
 from __future__ import annotations
@@ -40,10 +45,18 @@ log = logging.getLogger(__name__)
 _CUDNN_DTYPES = (torch.bfloat16, torch.float16)
 _CUDNN_MAX_HEAD_DIM = 128
 _split_refused = False  # set once a split call raised: every later chunk takes the mask
-# chunk tokens x cached keys x q heads x head dim from which cuDNN's faster kernels pay for
-# its per-shape graph build (H100, 9 heads of 64: the crossover lies between 4096 tokens
-# after 100k keys, 2.4e11, FlashAttention's, and 4096 after 185k, 4.4e11, cuDNN's).
+# chunk tokens x cached keys x q heads x head dim from which cuDNN's faster kernels pay for a
+# graph build within one chunk (H100, 9 heads of 64: the gain, (FlashAttention - cuDNN) per
+# layer x 30 layers, passes a ~50 ms build between 2.4e11 and 4.4e11).
 CUDNN_MIN_WORK = 3.5e11
+# Chunk tokens from which cuDNN's kernel is the faster one once its graph is built (H100:
+# equal at 1024 tokens, 1.7-1.9x faster at 4096; FlashAttention 4x faster at 256).
+CUDNN_MIN_CHUNK = 2048
+# Shapes remembered as asked for (then forgotten all at once): far more than the key counts
+# that chunks of one PREFILL_CHUNK reach, so chunks sized to a time budget cannot crowd them
+# out for long.
+SHAPES_HELD = 4096
+_asked: set[tuple] = set()
 
 
 def split_chosen(q: torch.Tensor) -> bool:
@@ -59,13 +72,30 @@ def _cudnn_shape(q: torch.Tensor) -> bool:
     return q.dtype in _CUDNN_DTYPES and d <= _CUDNN_MAX_HEAD_DIM and d % 8 == 0
 
 
-def cudnn_chosen(q: torch.Tensor, cached: int) -> bool:
-    """Whether a CUDA chunk of q [1, H, c, D] after `cached` keys goes to cuDNN (else to
-    FlashAttention): enough work to pay for a graph build (see CUDNN_MIN_WORK), or a
-    FlashAttention whose log-sum-exp failed the check of `flash_lse_agrees`."""
+def cudnn_chosen(q: torch.Tensor, cached: int, whole: bool = False) -> bool:
+    """Whether a CUDA chunk of q [1, H, c, D] after `cached` keys (or a whole prompt, its
+    work counted as c x c/2) goes to cuDNN, else to FlashAttention: see the module
+    docstring; always cuDNN when FlashAttention's log-sum-exp failed `flash_lse_agrees`."""
+    if not q.is_cuda:
+        return False
+    if not flash_lse_agrees(q.device, q.dtype, q.shape[-1]):
+        return True
     _, heads, chunk, dim = q.shape
+    keys = chunk // 2 if whole else cached
+    return cudnn_pays((q.device, q.dtype, whole, heads, dim), chunk, keys)
+
+
+def cudnn_pays(tag: tuple, chunk: int, cached: int) -> bool:
+    """The rule over the shapes asked for so far; tag = (device, dtype, whole, heads, dim)."""
+    heads, dim = tag[-2:]
+    key = (*tag, chunk, cached)
+    recurring = key in _asked
+    if not recurring:
+        if len(_asked) >= SHAPES_HELD:
+            _asked.clear()
+        _asked.add(key)
     big = chunk * cached * heads * dim >= CUDNN_MIN_WORK
-    return big or (q.is_cuda and not flash_lse_agrees(q.device, q.dtype, dim))
+    return big or (recurring and chunk >= CUDNN_MIN_CHUNK)
 
 
 _flash_checked: dict[tuple, bool] = {}
@@ -139,7 +169,7 @@ def chunk_attention(q, k, v, scale) -> torch.Tensor:
     global _split_refused
     c, length = q.shape[2], k.shape[2]
     whole = c == length
-    flash_whole = whole and q.is_cuda and split_chosen(q) and not cudnn_chosen(q, c // 2)
+    flash_whole = whole and q.is_cuda and split_chosen(q) and not cudnn_chosen(q, 0, whole=True)
     # (the whole prompt needs no log-sum-exp, but one failed check keeps torch's pick)
     if flash_whole or (not whole and split_chosen(q)):
         try:

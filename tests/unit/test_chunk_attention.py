@@ -124,15 +124,52 @@ def test_the_split_chunk_on_the_gpu_in_bf16(monkeypatch, chunk, cached, min_work
         assert (got - want).abs().max() <= 2 * (low - want).abs().max() + 1e-3
 
 
+def test_cudnn_takes_big_chunks_and_recurring_shapes_of_enough_tokens(monkeypatch):
+    """cuDNN's first call of a shape builds a graph (~50 ms on an H100): a new shape goes to
+    cuDNN only with the work to pay for it; a shape asked for again (chunk boundaries that
+    recur from prompt to prompt) from CUDNN_MIN_CHUNK tokens on, since its build then
+    serves every later prompt too; a small chunk never (FlashAttention is the faster one)."""
+    monkeypatch.setattr(mod, "_asked", set())
+    tag = ("cuda:0", torch.bfloat16, False, 9, 64)  # 9 heads of 64
+    assert [mod.cudnn_pays(tag, 8192, 16384) for _ in range(3)] == [False, True, True]
+    assert [mod.cudnn_pays(tag, 4096, 185_000) for _ in range(2)] == [True, True]  # 4.4e11
+    assert [mod.cudnn_pays(tag, 256, 185_000) for _ in range(3)] == [False] * 3
+    assert [mod.cudnn_pays(tag, 2047, 65536) for _ in range(2)] == [False, False]
+    assert [mod.cudnn_pays(tag, 2048, 65536) for _ in range(2)] == [False, True]
+    # shapes of another tag (a whole prompt, other heads, another GPU) are their own
+    assert not mod.cudnn_pays(("cuda:1", *tag[1:]), 8192, 16384)
+    assert not mod.cudnn_pays(tag[:2] + (True,) + tag[3:], 8192, 16384)
+
+
+def test_the_shapes_remembered_are_bounded(monkeypatch):
+    monkeypatch.setattr(mod, "_asked", set())
+    monkeypatch.setattr(mod, "SHAPES_HELD", 5)
+    tag = ("cuda:0", torch.bfloat16, False, 9, 64)
+    for cached in range(5):
+        mod.cudnn_pays(tag, 4000, cached)
+    assert mod.cudnn_pays(tag, 4000, 0)  # still remembered: recurring
+    mod.cudnn_pays(tag, 4000, 99)  # a sixth shape: the memory starts again
+    assert len(mod._asked) == 1
+    assert not mod.cudnn_pays(tag, 4000, 0)
+
+
+def test_cudnn_is_never_chosen_for_a_cpu_chunk(monkeypatch):
+    monkeypatch.setattr(mod, "_asked", set())
+    q = torch.zeros(1, 9, 8192, 64)
+    assert not mod.cudnn_chosen(q, 185_000) and not mod._asked
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_small_chunks_take_flash_attention_and_big_ones_cudnn(monkeypatch):
-    """cuDNN's graph build per new key count costs more than it saves on small chunks."""
+def test_small_chunks_take_flash_attention_and_big_or_recurring_ones_cudnn(monkeypatch):
     assert mod.flash_lse_agrees(torch.device("cuda"), torch.bfloat16, 64)  # checked before
+    monkeypatch.setattr(mod, "_asked", set())
     seen = []
     real = mod._attend_lse
     monkeypatch.setattr(mod, "_attend_lse", lambda *a: seen.append(a[-1]) or real(*a))
-    for chunk, cached, cudnn in ((256, 185_000, False), (4096, 185_000, True)):
+    cases = ((256, 185_000, False), (256, 185_000, False), (4096, 185_000, True),
+             (4096, 16384, False), (4096, 16384, True))  # fmt: skip
+    for chunk, cached, cudnn in cases:
         q, k, v = _case(chunk, cached, "cuda", torch.bfloat16, heads=9, dim=64)
         chunk_attention_split(q, k, v, None)
         assert seen == [cudnn, cudnn], (chunk, cached)
