@@ -23,9 +23,11 @@ execution graph: 44-60 ms on an H100 (later calls of that shape reuse it), and a
 cached-key count may be new every chunk (chunks sized to a time budget). FlashAttention has
 no such cost. So cuDNN takes a chunk whose work (chunk x cached x heads x dim) is past
 CUDNN_MIN_WORK, where it pays a build in the one chunk, or a chunk of at least
-CUDNN_MIN_CHUNK tokens whose shape was asked for before: chunks of PREFILL_CHUNK tokens
-start at the same key counts in every long prompt, so their builds are paid once (by the
-second prompt) and the later ones run at cuDNN's speed. Measured on an H100, the default
+CUDNN_MIN_CHUNK tokens, aligned to SHAPE_ALIGN, whose shape was asked for before: chunks
+of PREFILL_CHUNK tokens (8192) start at the same key counts in every long prompt, so their
+builds are paid once (by the second prompt) and the later ones run at cuDNN's speed. Chunks
+sized to a time budget are not aligned, and even a recurring one must not pay a build: it
+would double that chunk's time. Measured on an H100, the default
 model's heads (bench/RESULTS.md "Session 36"): a 185k prompt in chunks of 8192 took 3.85 s
 with the work rule alone, 3.39 s with every chunk through cuDNN, shapes seen; a chunk of
 256 tokens after 185k keys takes 1.8 ms a layer through cuDNN, 0.4 through FlashAttention.
@@ -52,6 +54,11 @@ CUDNN_MIN_WORK = 3.5e11
 # Chunk tokens from which cuDNN's kernel is the faster one once its graph is built (H100:
 # equal at 1024 tokens, 1.7-1.9x faster at 4096; FlashAttention 4x faster at 256).
 CUDNN_MIN_CHUNK = 2048
+# A recurring shape pays a build only if its chunk and key counts are multiples of this: the
+# boundaries of fixed-size chunks, not those of chunks sized to a time budget. Measured with
+# recurring budget chunks sent to cuDNN: a 185k prompt in 100 ms chunks took 9.64 s and its
+# slowest chunk 195 ms, against 7.02 s and 131 ms (H100, bench/RESULTS.md "Session 36").
+SHAPE_ALIGN = 256
 # Shapes remembered as asked for (then forgotten all at once): far more than the key counts
 # that chunks of one PREFILL_CHUNK reach, so chunks sized to a time budget cannot crowd them
 # out for long.
@@ -95,7 +102,8 @@ def cudnn_pays(tag: tuple, chunk: int, cached: int) -> bool:
             _asked.clear()
         _asked.add(key)
     big = chunk * cached * heads * dim >= CUDNN_MIN_WORK
-    return big or (recurring and chunk >= CUDNN_MIN_CHUNK)
+    aligned = chunk % SHAPE_ALIGN == 0 and cached % SHAPE_ALIGN == 0
+    return big or (recurring and aligned and chunk >= CUDNN_MIN_CHUNK)
 
 
 _flash_checked: dict[tuple, bool] = {}

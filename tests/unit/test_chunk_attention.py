@@ -126,9 +126,10 @@ def test_the_split_chunk_on_the_gpu_in_bf16(monkeypatch, chunk, cached, min_work
 
 def test_cudnn_takes_big_chunks_and_recurring_shapes_of_enough_tokens(monkeypatch):
     """cuDNN's first call of a shape builds a graph (~50 ms on an H100): a new shape goes to
-    cuDNN only with the work to pay for it; a shape asked for again (chunk boundaries that
-    recur from prompt to prompt) from CUDNN_MIN_CHUNK tokens on, since its build then
-    serves every later prompt too; a small chunk never (FlashAttention is the faster one)."""
+    cuDNN only with the work to pay for it; a shape asked for again from CUDNN_MIN_CHUNK
+    tokens on if it is aligned as fixed-size chunks are (they recur from prompt to prompt,
+    and a build serves every later prompt), not a time budget's chunk of 2049 tokens; a
+    small chunk never (FlashAttention is the faster one)."""
     monkeypatch.setattr(mod, "_asked", set())
     tag = ("cuda:0", torch.bfloat16, False, 9, 64)  # 9 heads of 64
     assert [mod.cudnn_pays(tag, 8192, 16384) for _ in range(3)] == [False, True, True]
@@ -136,6 +137,8 @@ def test_cudnn_takes_big_chunks_and_recurring_shapes_of_enough_tokens(monkeypatc
     assert [mod.cudnn_pays(tag, 256, 185_000) for _ in range(3)] == [False] * 3
     assert [mod.cudnn_pays(tag, 2047, 65536) for _ in range(2)] == [False, False]
     assert [mod.cudnn_pays(tag, 2048, 65536) for _ in range(2)] == [False, True]
+    assert [mod.cudnn_pays(tag, 2049, 65536) for _ in range(2)] == [False, False]
+    assert [mod.cudnn_pays(tag, 8192, 65537) for _ in range(2)] == [False, False]
     # shapes of another tag (a whole prompt, other heads, another GPU) are their own
     assert not mod.cudnn_pays(("cuda:1", *tag[1:]), 8192, 16384)
     assert not mod.cudnn_pays(tag[:2] + (True,) + tag[3:], 8192, 16384)
