@@ -148,12 +148,12 @@ def test_the_shapes_remembered_are_bounded(monkeypatch):
     monkeypatch.setattr(mod, "_asked", set())
     monkeypatch.setattr(mod, "SHAPES_HELD", 5)
     tag = ("cuda:0", torch.bfloat16, False, 9, 64)
-    for cached in range(5):
-        mod.cudnn_pays(tag, 4000, cached)
-    assert mod.cudnn_pays(tag, 4000, 0)  # still remembered: recurring
-    mod.cudnn_pays(tag, 4000, 99)  # a sixth shape: the memory starts again
+    for cached in range(0, 1280, 256):
+        mod.cudnn_pays(tag, 4096, cached)
+    assert mod.cudnn_pays(tag, 4096, 0)  # still remembered: recurring
+    mod.cudnn_pays(tag, 4096, 99 * 256)  # a sixth shape: the memory starts again
     assert len(mod._asked) == 1
-    assert not mod.cudnn_pays(tag, 4000, 0)
+    assert not mod.cudnn_pays(tag, 4096, 0)
 
 
 def test_cudnn_is_never_chosen_for_a_cpu_chunk(monkeypatch):
