@@ -7,6 +7,7 @@ anchor of the next step (so kv_len == committed_len - 1).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,8 @@ from splitflash.services.verify.acceptance import (
 from splitflash.services.verify.prompt_run import PromptRun
 from splitflash.services.verify.requests import Sequence, StepReport
 from splitflash.services.verify.sampling import Sampling, target_probs
+
+log = logging.getLogger(__name__)
 
 # Prompt tokens per prefill forward (VerifySettings.prefill_chunk): a forward's activations
 # grow with its tokens (the MLP's [T, 2 * intermediate] in bf16: 1.1 GB at 185k tokens for
@@ -159,7 +162,9 @@ class TargetEngine:
                 )
             # Drafts past the context cannot be written; those past the budget are not
             # judged, but stay in the block where there is room (_fit_blocks).
-            drafts = item.draft_ids[: max(0, self.max_context - len(seq.tokens))]
+            drafts = self._in_vocabulary(
+                item.request_id, item.draft_ids[: max(0, self.max_context - len(seq.tokens))]
+            )
             judged = min(len(drafts), max(0, item.max_commit - 1))  # drafts the budget allows
             try:
                 self.cache.reserve(item.request_id, kv_len + 1 + judged)
@@ -172,6 +177,21 @@ class TargetEngine:
             self._fit_blocks(spans)
             self._verify_spans(spans, reports)
         return [reports[i.request_id] for i in items]
+
+    def _in_vocabulary(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The drafts before the first id outside the target's vocabulary. The target gives
+        such a token probability 0, so it is never accepted: judging the drafts before it
+        commits what judging all of them would, without the out-of-range embedding lookup
+        that would fail the step (on CUDA a device-side assert, the end of the process). A
+        drafter that proposes such ids has another vocabulary than the target: logged."""
+        vocab = self.model.cfg.vocab_size
+        if not drafts or (min(drafts) >= 0 and max(drafts) < vocab):
+            return drafts
+        cut = next(j for j, t in enumerate(drafts) if not 0 <= t < vocab)
+        log.warning("request %s: draft token %d is id %d, outside the target's vocabulary of "
+                    "%d ids; the drafts from it on are dropped (is the drafter built for "
+                    "this target's tokenizer?)", request_id, cut, drafts[cut], vocab)  # fmt: skip
+        return drafts[:cut]
 
     def _fit_blocks(self, spans) -> None:
         """Give blocks one length where it costs nothing but KV room, taken only once every

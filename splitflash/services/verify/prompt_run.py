@@ -46,6 +46,7 @@ class PromptRun:
             raise ValueError(f"prompt of {len(prompt)} tokens exceeds context {engine.max_context}")
         if request_id in engine.seqs:
             raise ValueError(f"request {request_id!r} already exists")
+        _check_vocabulary(prompt, engine.model.cfg.vocab_size)
         engine.cache.add(request_id)  # raises while another prefill of this id is running
         try:
             engine.cache.reserve(request_id, len(prompt))
@@ -118,6 +119,17 @@ class PromptRun:
 
 
 @torch.inference_mode()
+def _check_vocabulary(prompt: list[int], vocab_size: int) -> None:
+    """A token id outside the embedding table would fail the forward (on CUDA a device-side
+    assert, which ends every request of the process); refused here, naming the token."""
+    ids = np.asarray(prompt, dtype=np.int64)  # [n]
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        at = int(bad[0])
+        raise ValueError(f"prompt token {at} is id {int(ids[at])}, outside the target's "
+                         f"vocabulary of {vocab_size} ids ({bad.size} such tokens)")  # fmt: skip
+
+
 def advance_together(parts: list[tuple[PromptRun, int | None]]) -> list[StepReport | None]:
     """The next chunk of each (run, max_tokens) in ONE forward, prompts packed as a verify
     step packs requests, so short prompts admitted together cost one forward instead of one
