@@ -4,7 +4,8 @@ Over real sockets (verify in a thread, the tiny random target, forwards slowed s
 messages queue): four short Prefills sent while a long prompt's chunk runs are answered
 from ONE forward holding all four, the long prompt keeps forwards of its own, and every
 request then decodes as target-only decoding says. With a time budget set and a request
-decoding, a forward takes along only the prompts its budget has room for.
+decoding, a forward takes along only the prompts its budget has room for. A packed forward
+that fails takes no prompt down: each runs alone, and only the one that cannot run fails.
 """
 
 from __future__ import annotations
@@ -34,15 +35,18 @@ pytestmark = pytest.mark.timeout(120)
 SHORTS = {f"s{i}": [(i * 7 + j * 3) % 90 + 1 for j in range(5 + 4 * i)] for i in range(4)}
 
 
-def record_forwards(server, pause_s: float, slow_first_s: float = 0.0) -> list[list[int]]:
+def record_forwards(server, pause_s: float, slow_first_s: float = 0.0,
+                    fails_with: int | None = None) -> list[list[int]]:  # fmt: skip
     """The q_lens of every forward of the server's target, each slowed by pause_s (the
-    first by slow_first_s more)."""
+    first by slow_first_s more); a forward holding a chunk of fails_with tokens raises."""
     seen: list[list[int]] = []
     forward = server.engine.model.forward
 
     def recorded(batch, *args, **kwargs):
         seen.append(list(batch.meta.q_lens))
         time.sleep(pause_s + (slow_first_s if len(seen) == 1 else 0.0))
+        if fails_with in seen[-1]:
+            raise RuntimeError("CUDA out of memory (injected)")
         return forward(batch, *args, **kwargs)
 
     server.engine.model.forward = recorded
@@ -81,6 +85,33 @@ def test_short_prompts_sent_together_share_one_forward():
     assert long_chunks and all(f == [64] for f in long_chunks)  # never packed: it fills them
     for rid, prompt in {**SHORTS, "long": LONG}.items():
         assert out[rid] == target_only(prompt, 4), rid
+
+
+def test_a_failed_packed_forward_fails_only_the_prompt_that_cannot_run():
+    """s3's chunk always fails (out of memory, say): the forward packing all four shorts
+    fails, each then runs alone, s0-s2 answer as target-only decoding says, s3 answers an
+    error naming the cause, and no page is left behind."""
+    live = ["long", "s0", "s1", "s2"]
+    with running(verify_server(chunk=64)) as v:
+        forwards = record_forwards(v, 0.05, fails_with=len(SHORTS["s3"]))
+        pipe = Pipe(v.endpoint)
+        try:
+            calls = {pipe.send(prefill("long", LONG[:64])): "long"}  # its forward: all arrive
+            calls |= {pipe.send(prefill(rid, p)): rid for rid, p in SHORTS.items()}
+            results = {calls[c]: r.results[0] for c, r in (pipe.reply() for _ in calls)}
+            cache = v.engine.cache  # the loop is idle: every reply is in
+            held = set(cache.seqs), cache.used_pages, sum(len(cache.seq(r).pages) for r in live)
+        finally:
+            pipe.close()
+    short_lens = [len(SHORTS[r]) for r in ("s0", "s1", "s2", "s3")]
+    assert forwards[0] == [64] and sorted(forwards[1]) == short_lens, forwards
+    assert sorted(forwards[2:]) == [[n] for n in short_lens], forwards  # each alone once
+    assert "CUDA out of memory (injected)" in results["s3"].error
+    for rid in ("s0", "s1", "s2"):
+        assert results[rid].error is None, rid
+        assert list(results[rid].committed_ids) == target_only(SHORTS[rid], 1), rid
+    assert results["long"].error is None
+    assert held[0] == set(live) and held[1] == held[2], held  # s3 left no page behind
 
 
 class SyntheticSizer(ChunkSizer):

@@ -13,9 +13,11 @@ last chunk's before the reply, as for a Verify step), so neither the GPU holds a
 prompt's features nor the end of its prefill stalls the loop for one huge transfer.
 
 An item's outcome is an error instead when: its deadline passes (before or between chunks),
-its draft peer cannot be reached, the engine refuses it (too long, pool full, duplicate id),
-a forward fails, or a Release names it first (`cancel`). Whatever way an item ends early,
-PromptRun frees its pages.
+its draft peer cannot be reached, the engine refuses it (too long, pool full, duplicate id,
+a token outside the vocabulary), its own forward fails, or a Release names it first
+(`cancel`). A packed forward that fails fails no one: each of its prompts runs alone from
+then on, so one prompt that cannot run (say, out of memory) takes no other down with it.
+Whatever way an item ends early, PromptRun frees its pages.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class PrefillJob(Deferred):
         self.done = False
         self._next = 0  # index of the next item to start
         self._run: tuple[int, PromptRun] | None = None  # the item whose chunks are running
+        self.solo = False  # True once a packed forward with this job failed: no more packing
 
     # --- Deferred ----------------------------------------------------------------------
     def advance(self) -> PrefillReply | None:
@@ -128,14 +131,22 @@ class PrefillJob(Deferred):
         own = min(size or server.engine.prefill_chunk, run.tokens_left)
         # Partners within the chunk's tokens, and within its time budget when one binds.
         spare = None if sizer is None or not decoding else sizer.spare_seconds([(own, cached)])
-        pack = [(self, size), *_partners(self, server.engine.prefill_chunk - own, spare)]
+        partners = [] if self.solo else _partners(self, server.engine.prefill_chunk - own, spare)
+        pack = [(self, size), *partners]
         before = [job._run[1].cached for job, _ in pack]
         t = time.perf_counter()
         try:
-            reports = advance_together([(job._run[1], n) for job, n in pack])
-        except Exception as e:  # a forward out of memory: the runs freed their pages
-            for job, _ in pack:
-                job._forward_failed(e, time.perf_counter() - t)
+            reports = advance_together([(job._run[1], n) for job, n in pack],
+                                       abort_on_error=len(pack) == 1)  # fmt: skip
+        except Exception as e:  # a forward out of memory, say
+            if len(pack) == 1:  # the run freed its pages
+                self._forward_failed(e, time.perf_counter() - t)
+                return
+            log.warning("a prefill forward packing %d prompts failed (%s); each runs alone "
+                        "from now on", len(pack), e)  # fmt: skip
+            for job, _ in pack:  # whichever prompt made it fail: the runs are intact
+                job.solo = True
+                job.forward += time.perf_counter() - t
             return
         # advance_together synced the device unless every run ended: the chunks' wall time
         seconds = time.perf_counter() - t
@@ -215,7 +226,7 @@ def _partners(lead: PrefillJob, tokens: int, spare_s: float | None):
     for job in lead.server.open_prefills():
         if tokens < 1 or (spare_s is not None and spare_s <= 0):
             break
-        if job is lead:
+        if job is lead or job.solo:
             continue
         job._start_next()
         run = None if job._run is None else job._due_run()

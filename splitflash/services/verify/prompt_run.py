@@ -130,12 +130,16 @@ def _check_vocabulary(prompt: list[int], vocab_size: int) -> None:
                          f"vocabulary of {vocab_size} ids ({bad.size} such tokens)")  # fmt: skip
 
 
-def advance_together(parts: list[tuple[PromptRun, int | None]]) -> list[StepReport | None]:
+def advance_together(
+    parts: list[tuple[PromptRun, int | None]], abort_on_error: bool = True
+) -> list[StepReport | None]:
     """The next chunk of each (run, max_tokens) in ONE forward, prompts packed as a verify
     step packs requests, so short prompts admitted together cost one forward instead of one
     each (vLLM packs prompts the same way). A chunk takes at most max_tokens (default and
     cap: prefill_chunk) of its prompt. Returns each run's StepReport after its last chunk,
-    else None. If the forward fails, every run is aborted (its pages freed) and it raises."""
+    else None. If the forward fails it raises, every run aborted (its pages freed) or, with
+    abort_on_error False, left as it was, to be run again: a run's cached count moves only
+    after its forward, and a rerun writes the same KV slots."""
     runs = [run for run, _ in parts]
     e = runs[0].engine
     if len({run.request_id for run in runs}) < len(runs):
@@ -151,8 +155,9 @@ def advance_together(parts: list[tuple[PromptRun, int | None]]) -> list[StepRepo
         rows = torch.tensor(ends - 1, device=e.device)  # each chunk's last token
         out = e.model(e._batch(spans), e.cache, rows, e.feature_layer_ids)
     except Exception:  # out of memory, a lost TP rank: these requests leave nothing
-        for run in runs:
-            run.abort()
+        if abort_on_error:
+            for run in runs:
+                run.abort()
         raise
     reports = []
     for i, (run, (_, toks, lo)) in enumerate(zip(runs, spans, strict=True)):
