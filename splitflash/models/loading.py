@@ -156,6 +156,20 @@ def load_checkpoint(path: Path, progress=None) -> tuple[TargetConfig, dict[str, 
     raise ValueError(f"{path}: not a .gguf file nor an HF checkpoint directory")
 
 
+def checkpoint_config(path: Path) -> TargetConfig:
+    """The checkpoint's config without its weights, in load_checkpoint's order of formats
+    (a GGUF file is memory-mapped: only its header is read)."""
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return hf_config(json.loads((path / "config.json").read_text()))
+    ggufs = [path] if path.is_file() else sorted(path.glob("*.gguf"))
+    if not ggufs:
+        raise ValueError(f"{path}: not a .gguf file nor an HF checkpoint directory")
+    from gguf import GGUFReader
+
+    return gguf_config(GGUFReader(str(ggufs[0])))
+
+
 def load_tokenizer(path: Path):
     """The tokenizer (with its chat template) stored beside the weights, via transformers."""
     from transformers import AutoTokenizer

@@ -17,12 +17,10 @@ Optional, looked up with getattr so a drafter implements only what it has:
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from splitflash.services.draft.config import DraftSettings
@@ -92,18 +90,9 @@ class GarbageDrafter:
 def target_vocab_size(target: str) -> int:
     """The target's vocabulary size from its config alone (no weights are read)."""
     from splitflash.models import store
+    from splitflash.models.loading import checkpoint_config
 
-    path = Path(store.resolve(target))
-    if path.is_dir() and (path / "config.json").exists():
-        return int(json.loads((path / "config.json").read_text())["vocab_size"])
-    gguf = path if path.is_file() else next(iter(sorted(path.glob("*.gguf"))), None)
-    if gguf is None:
-        raise FileNotFoundError(f"{path}: no config.json and no .gguf to read the vocabulary from")
-    from gguf import GGUFReader
-
-    from splitflash.models.loading import gguf_config
-
-    return gguf_config(GGUFReader(str(gguf))).vocab_size
+    return checkpoint_config(store.resolve(target)).vocab_size
 
 
 def build_drafter(settings: DraftSettings) -> Drafter:

@@ -14,7 +14,6 @@ and naming the rank, instead of hanging. Followers wait for rank 0 without a pra
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -32,7 +31,7 @@ import torch.multiprocessing as mp
 
 from splitflash.models.config import TargetConfig
 from splitflash.models.kv_cache import PagedKVCache
-from splitflash.models.loading import gguf_config, hf_config, load_target
+from splitflash.models.loading import checkpoint_config, load_target
 from splitflash.models.target import TargetModel
 from splitflash.parallel import BroadcastForward, follow, free_port
 from splitflash.parallel.tp import check_world, local_kv_heads, shard_target
@@ -48,19 +47,6 @@ FOLLOWER_TIMEOUT = timedelta(days=365)
 # (minutes for a large one). Kept apart from tp_timeout_s, which bounds one collective.
 START_S = 300.0
 JOIN_S = 10.0  # close(): followers' time to return after the stop message, then SIGTERM
-
-
-def target_config(path: Path) -> TargetConfig:
-    """The checkpoint's config without its weights, in load_checkpoint's order of formats."""
-    path = Path(path)
-    if path.is_dir() and (path / "config.json").exists():
-        return hf_config(json.loads((path / "config.json").read_text()))
-    ggufs = [path] if path.is_file() else sorted(path.glob("*.gguf"))
-    if not ggufs:
-        raise ValueError(f"{path}: not a .gguf file nor an HF checkpoint directory")
-    from gguf import GGUFReader  # memory-maps the file: the header only is read here
-
-    return gguf_config(GGUFReader(str(ggufs[0])))
 
 
 def check_tp(settings: VerifySettings, cfg: TargetConfig) -> str:
@@ -273,7 +259,7 @@ class TPTargetEngine(TargetEngine):
 def load_tp_engine(settings: VerifySettings, path: Path) -> TPTargetEngine:
     """Validate, spawn ranks 1..N-1, build rank 0 here; any failure leaves no process."""
     world = settings.tp_size
-    backend = check_tp(settings, target_config(path))
+    backend = check_tp(settings, checkpoint_config(path))
     if dist.is_initialized():
         raise RuntimeError("this process already has a torch.distributed group: one TP engine")
     _rank_env(settings, backend)
