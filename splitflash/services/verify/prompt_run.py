@@ -118,7 +118,6 @@ class PromptRun:
             self.engine.cache.free(self.request_id)
 
 
-@torch.inference_mode()
 def _check_vocabulary(prompt: list[int], vocab_size: int) -> None:
     """A token id outside the embedding table would fail the forward (on CUDA a device-side
     assert, which ends every request of the process); refused here, naming the token."""
@@ -130,6 +129,7 @@ def _check_vocabulary(prompt: list[int], vocab_size: int) -> None:
                          f"vocabulary of {vocab_size} ids ({bad.size} such tokens)")  # fmt: skip
 
 
+@torch.inference_mode()
 def advance_together(
     parts: list[tuple[PromptRun, int | None]], abort_on_error: bool = True
 ) -> list[StepReport | None]:
