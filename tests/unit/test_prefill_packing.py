@@ -55,6 +55,7 @@ def test_packed_prompts_leave_what_each_prompt_alone_leaves():
     for rid in PROMPTS:
         assert got[rid].outcome.committed == want[rid].outcome.committed, rid
         torch.testing.assert_close(got[rid].features, want[rid].features, atol=2e-5, rtol=1e-5)
+        assert not got[rid].features.requires_grad  # no autograd graph held: inference mode
         first = got[rid].outcome.committed
         assert _decode(packed, rid, first) == _decode(alone, rid, want[rid].outcome.committed)
 
