@@ -7,6 +7,7 @@
 #        asked for before goes to cuDNN): the 185k prompt in chunks of 8192 and in 100 ms
 #        chunks, 3 runs each
 #   bash bench/gpu_s36.sh t   (~30 s) the chunk attention's GPU tests
+#   bash bench/gpu_s36.sh all (~230 s) every GPU test
 source bench/gpu_setup.sh
 
 if [ "$1" = a ]; then
@@ -19,4 +20,6 @@ elif [ "$1" = b ]; then
 elif [ "$1" = t ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_chunk_attention.py \
     tests/unit/test_prefill_chunks.py 2>&1 | tail -2
+elif [ "$1" = all ]; then
+  timeout 290 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4
 fi
