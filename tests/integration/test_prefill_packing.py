@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
-from splitflash.protocol import PrefillReply
+from splitflash.protocol import PrefillReply, Verify
 from splitflash.services.gateway.config import GatewaySettings
 from splitflash.services.verify.chunk_sizer import ChunkSizer
 from tests.integration.test_prefill_interleaving import (
@@ -112,6 +113,33 @@ def test_a_failed_packed_forward_fails_only_the_prompt_that_cannot_run():
         assert list(results[rid].committed_ids) == target_only(SHORTS[rid], 1), rid
     assert results["long"].error is None
     assert held[0] == set(live) and held[1] == held[2], held  # s3 left no page behind
+
+
+def test_over_the_wire_a_prompt_outside_the_vocabulary_fails_alone_and_a_draft_is_cut():
+    """A Prefill holding a token id past the target's vocabulary: that request's result
+    names the token, the others prefill as target-only says; a Verify whose drafts hold
+    such an id commits what target-only decoding does."""
+    with running(verify_server(chunk=64)) as v:
+        vocab = v.engine.model.cfg.vocab_size
+        want = target_only(SHORTS["s1"], 3)
+        pipe = Pipe(v.endpoint)
+        try:
+            calls = {pipe.send(prefill("bad", [5, 6, vocab + 3, 7])): "bad",
+                     pipe.send(prefill("s1", SHORTS["s1"])): "s1"}  # fmt: skip
+            results = {calls[c]: r.results[0] for c, r in (pipe.reply() for _ in calls)}
+            item = step("s1", len(SHORTS["s1"]) + 1).items[0]
+            drafts = [want[1], vocab, want[2]]
+            pipe.send(Verify(items=[msgspec.structs.replace(item, draft_ids=drafts)]))
+            after = pipe.reply()[1].results[0]
+            held = set(v.engine.cache.seqs)  # the loop is idle: every reply is in
+        finally:
+            pipe.close()
+    assert f"prompt token 2 is id {vocab + 3}, outside the target's vocabulary" in (
+        results["bad"].error
+    )
+    assert list(results["s1"].committed_ids) == want[:1]
+    assert after.error is None and list(after.committed_ids) == want[1:3]
+    assert held == {"s1"}
 
 
 class SyntheticSizer(ChunkSizer):

@@ -126,7 +126,7 @@ def _check_vocabulary(prompt: list[int], vocab_size: int) -> None:
     if bad.size:
         at = int(bad[0])
         raise ValueError(f"prompt token {at} is id {int(ids[at])}, outside the target's "
-                         f"vocabulary of {vocab_size} ids ({bad.size} such tokens)")  # fmt: skip
+                         f"vocabulary of {vocab_size} ids ({bad.size} outside in all)")  # fmt: skip
 
 
 @torch.inference_mode()
