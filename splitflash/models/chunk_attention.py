@@ -27,10 +27,11 @@ CUDNN_MIN_CHUNK tokens, aligned to SHAPE_ALIGN, whose shape was asked for before
 of PREFILL_CHUNK tokens (8192) start at the same key counts in every long prompt, so their
 builds are paid once (by the second prompt) and the later ones run at cuDNN's speed. Chunks
 sized to a time budget are not aligned, and even a recurring one must not pay a build: it
-would double that chunk's time. Measured on an H100, the default
-model's heads (bench/RESULTS.md "Session 36"): a 185k prompt in chunks of 8192 took 3.85 s
-with the work rule alone, 3.39 s with every chunk through cuDNN, shapes seen; a chunk of
-256 tokens after 185k keys takes 1.8 ms a layer through cuDNN, 0.4 through FlashAttention.
+would double that chunk's time. Measured on an H100, the default model's heads
+(bench/RESULTS.md "Session 36"): a 185k prompt in chunks of 8192 took 3.85 s with the work
+rule alone, 3.47 s with recurring shapes through cuDNN, 3.42 s with every chunk through
+cuDNN; a chunk of 256 tokens after 185k keys takes 1.8 ms a layer through cuDNN, 0.4
+through FlashAttention.
 """
 
 from __future__ import annotations
