@@ -55,3 +55,20 @@ def test_drafts_are_judged_up_to_an_id_outside_the_vocabulary(bad, caplog):
     # the KV holds exactly the committed tokens: the next plain step goes on as target-only
     (nxt,) = engine.verify([VerifyInput("r", len(PROMPT) + 4, [], 100)])
     assert nxt.outcome.committed == want[4:5]
+
+
+def test_a_drafter_outside_the_vocabulary_warns_once_a_minute_with_a_count(caplog):
+    """Such a drafter does it every step: one warning a minute, counting the steps cut."""
+    model = tiny_model()
+    engine = tiny_engine(model)
+    out = engine.prefill("r", PROMPT, Sampling(), (), 100).outcome.committed
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            step = VerifyInput("r", len(PROMPT) + len(out), [model.cfg.vocab_size], 100)
+            out += engine.verify([step])[0].outcome.committed
+        engine._vocab_logged_at -= 61.0  # a minute later
+        step = VerifyInput("r", len(PROMPT) + len(out), [model.cfg.vocab_size], 100)
+        engine.verify([step])
+    warned = [m for r in caplog.records if "outside the target's" in (m := r.getMessage())]
+    assert len(warned) == 2 and "(1 steps cut so far" in warned[0]
+    assert "(4 steps cut so far" in warned[1]

@@ -8,6 +8,7 @@ anchor of the next step (so kv_len == committed_len - 1).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 # the 135M default, 10.6 GB for an 8B's 14336), and a chunk's attention reads the cached
 # chunks before it, so peak memory stays that of a chunk whatever the prompt's length.
 PREFILL_CHUNK = 8192
+VOCAB_LOG_EVERY_S = 60.0  # drafts outside the vocabulary: at most one warning a minute
 
 
 class DesyncError(RuntimeError):
@@ -69,6 +71,8 @@ class TargetEngine:
         self.max_context = max_context or model.cfg.max_position_embeddings
         self.seqs: dict[str, Sequence] = {}
         self.device = model.embed_tokens.weight.device
+        self._vocab_cuts = 0  # verify steps whose drafts held an id outside the vocabulary
+        self._vocab_logged_at = -float("inf")  # time.monotonic() of the last such warning
 
     # --- lifecycle -------------------------------------------------------------------
     def release(self, request_id: str) -> bool:
@@ -188,9 +192,14 @@ class TargetEngine:
         if not drafts or (min(drafts) >= 0 and max(drafts) < vocab):
             return drafts
         cut = next(j for j, t in enumerate(drafts) if not 0 <= t < vocab)
-        log.warning("request %s: draft token %d is id %d, outside the target's vocabulary of "
-                    "%d ids; the drafts from it on are dropped (is the drafter built for "
-                    "this target's tokenizer?)", request_id, cut, drafts[cut], vocab)  # fmt: skip
+        self._vocab_cuts += 1
+        now = time.monotonic()
+        if now - self._vocab_logged_at >= VOCAB_LOG_EVERY_S:  # a broken drafter: every step
+            log.warning("request %s: draft token %d is id %d, outside the target's vocabulary "
+                        "of %d ids; the drafts from it on are dropped (%d steps cut so far; "
+                        "is the drafter built for this target's tokenizer?)", request_id, cut,
+                        drafts[cut], vocab, self._vocab_cuts)  # fmt: skip
+            self._vocab_logged_at = now
         return drafts[:cut]
 
     def _fit_blocks(self, spans) -> None:
