@@ -118,7 +118,7 @@ def test_a_failed_packed_forward_fails_only_the_prompt_that_cannot_run():
 def test_over_the_wire_a_prompt_outside_the_vocabulary_fails_alone_and_a_draft_is_cut():
     """A Prefill holding a token id past the target's vocabulary: that request's result
     names the token, the others prefill as target-only says; a Verify whose drafts hold
-    such an id commits what target-only decoding does."""
+    such an id commits what target-only decoding does, and is counted."""
     with running(verify_server(chunk=64)) as v:
         vocab = v.engine.model.cfg.vocab_size
         want = target_only(SHORTS["s1"], 3)
@@ -132,6 +132,9 @@ def test_over_the_wire_a_prompt_outside_the_vocabulary_fails_alone_and_a_draft_i
             pipe.send(Verify(items=[msgspec.structs.replace(item, draft_ids=drafts)]))
             after = pipe.reply()[1].results[0]
             held = set(v.engine.cache.seqs)  # the loop is idle: every reply is in
+            cut = v.metrics.registry.get_sample_value(
+                "splitflash_verify_drafts_outside_vocabulary_total"
+            )
         finally:
             pipe.close()
     assert f"prompt token 2 is id {vocab + 3}, outside the target's vocabulary" in (
@@ -139,7 +142,7 @@ def test_over_the_wire_a_prompt_outside_the_vocabulary_fails_alone_and_a_draft_i
     )
     assert list(results["s1"].committed_ids) == want[:1]
     assert after.error is None and list(after.committed_ids) == want[1:3]
-    assert held == {"s1"}
+    assert held == {"s1"} and cut == 1.0  # the alert DraftsOutsideTargetVocabulary's counter
 
 
 class SyntheticSizer(ChunkSizer):

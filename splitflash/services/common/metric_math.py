@@ -247,6 +247,11 @@ METRICS = MappingProxyType(
             "for a new key; the key captures again when met. Growing under steady traffic: "
             "the LRU is smaller than the keys in use (raise SPLITFLASH_VERIFY_GRAPH_MAX_HELD)."
         ),
+        "verify_drafts_outside_vocabulary": _d(
+            "counter", "Verify steps of a request whose drafts held a token id outside the "
+            "target's vocabulary: the drafts from it on were dropped (never accepted, so the "
+            "output is unchanged). Any increase: the drafter proposes another tokenizer's ids."
+        ),
         "kv_pages_used": _d("gauge", "KV cache pages in use."),
         "kv_pages_total": _d("gauge", "KV cache pages allocated."),
     }

@@ -194,6 +194,7 @@ class VerifyMetrics:
     verify_graph_captures: Counter
     verify_graph_capture_seconds: Counter
     verify_graph_evictions: Counter
+    verify_drafts_outside_vocabulary: Counter
     kv_pages_used: Gauge
     kv_pages_total: Gauge
     common: ServiceMetrics

@@ -72,6 +72,7 @@ class TargetEngine:
         self.seqs: dict[str, Sequence] = {}
         self.device = model.embed_tokens.weight.device
         self._vocab_cuts = 0  # verify steps whose drafts held an id outside the vocabulary
+        self._vocab_cuts_popped = 0  # of them, those pop_vocab_cuts() returned
         self._vocab_logged_at = -float("inf")  # time.monotonic() of the last such warning
 
     # --- lifecycle -------------------------------------------------------------------
@@ -201,6 +202,11 @@ class TargetEngine:
                         drafts[cut], vocab, self._vocab_cuts)  # fmt: skip
             self._vocab_logged_at = now
         return drafts[:cut]
+
+    def pop_vocab_cuts(self) -> int:
+        """Steps cut by _in_vocabulary since the last call (the server's counter)."""
+        n, self._vocab_cuts_popped = self._vocab_cuts - self._vocab_cuts_popped, self._vocab_cuts
+        return n
 
     def _fit_blocks(self, spans) -> None:
         """Give blocks one length where it costs nothing but KV room, taken only once every

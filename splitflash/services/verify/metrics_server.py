@@ -63,6 +63,11 @@ class VerifyServerMetrics:
             self.bundle.verify_graph_capture_seconds.inc(seconds)
             self.bundle.verify_graph_evictions.inc(graphs.pop_evictions())
 
+    def count_drafts_cut(self, engine) -> None:
+        """The verify steps whose drafts the engine cut at an id outside the vocabulary
+        since the last call (TargetEngine.pop_vocab_cuts)."""
+        self.bundle.verify_drafts_outside_vocabulary.inc(engine.pop_vocab_cuts())
+
     def observe_prefill_chunk(self, end_position: int, seconds: float) -> None:
         bucket = context_bucket(end_position)
         self.bundle.verify_prefill_chunk_seconds.labels(context_bucket=bucket).observe(seconds)

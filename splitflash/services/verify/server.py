@@ -265,6 +265,7 @@ class VerifyServer:
             return [StepReport(x.request_id, None, 0, error=f"desync: {e}") for x in inputs]
         if self.engine.last_forward_mode is not None:
             self.metrics.count_forward(self.engine.last_forward_mode, self.engine.graphs)
+        self.metrics.count_drafts_cut(self.engine)
         base_lens = [x.base_len for x in inputs]
         kv_bytes = bytes_read(self.engine, base_lens, self._weight_bytes)
         self.metrics.add_kv_bytes(max(base_lens), kv_bytes)
