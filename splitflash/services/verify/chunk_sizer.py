@@ -33,6 +33,9 @@ class ChunkSizer:
         self.max_tokens = max_tokens
         self.min_tokens = max(1, min(min_tokens, max_tokens))
         self._seen: deque[tuple[float, float, float]] = deque(maxlen=HISTORY)  # (x_a, x_b, s)
+        # coefficients() of _seen, kept until the next observation: a packed chunk asks for
+        # it once for its size, once for its spare budget and once per candidate partner
+        self._fit: tuple[float, float] | None = None
 
     def observe(self, tokens: int, cached: int, seconds: float) -> None:
         """A chunk of `tokens` after `cached` prompt tokens took `seconds`."""
@@ -41,10 +44,10 @@ class ChunkSizer:
     def observe_pack(self, chunks: list[tuple[int, int]], seconds: float) -> None:
         """One forward of several prompts' chunks, (tokens, cached) each, took `seconds`:
         the model's terms add up over them."""
-        tokens = sum(n for n, _ in chunks)
+        tokens, attended = _terms(chunks)
         if tokens >= 1 and seconds > 0 and math.isfinite(seconds):
-            attended = sum(n * (c + n / 2) for n, c in chunks)
-            self._seen.append((float(tokens), float(attended), seconds))
+            self._seen.append((tokens, attended, seconds))
+            self._fit = None
 
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b) >= 0 of the least-squares fit, or None before any chunk was seen. One chunk
@@ -52,15 +55,9 @@ class ChunkSizer:
         a moment) is left out: kept, it would shrink the next HISTORY chunks."""
         if not self._seen:
             return None
-        seen = list(self._seen)
-        a, b = _fit(seen)
-        if len(seen) >= 3:
-            worst = max(range(len(seen)), key=lambda i: seen[i][2] / _cost(a, b, seen[i]))
-            rest = seen[:worst] + seen[worst + 1 :]
-            a_r, b_r = _fit(rest)
-            if seen[worst][2] > OUTLIER * _cost(a_r, b_r, seen[worst]):
-                return a_r, b_r
-        return a, b
+        if self._fit is None:
+            self._fit = _fit_without_outlier(list(self._seen))
+        return self._fit
 
     def estimate(self, chunks: list[tuple[int, int]]) -> float:
         """Seconds the fit says one forward of these (tokens, cached) chunks takes; inf
@@ -68,7 +65,8 @@ class ChunkSizer:
         fit = self.coefficients()
         if fit is None:
             return math.inf
-        return sum(fit[0] * n + fit[1] * n * (c + n / 2) for n, c in chunks)
+        x_a, x_b = _terms(chunks)
+        return fit[0] * x_a + fit[1] * x_b
 
     def spare_seconds(self, chunks: list[tuple[int, int]]) -> float:
         """What the budget leaves beside these chunks in one forward (<= 0: nothing)."""
@@ -91,8 +89,24 @@ class ChunkSizer:
         return int(min(self.max_tokens, max(self.min_tokens, n)))
 
 
+def _terms(chunks: list[tuple[int, int]]) -> tuple[float, float]:
+    """(x_a, x_b) of one forward over (tokens, cached) chunks: tokens, and keys attended."""
+    return float(sum(n for n, _ in chunks)), float(sum(n * (c + n / 2) for n, c in chunks))
+
+
 def _cost(a: float, b: float, seen: tuple[float, float, float]) -> float:
     return max(a * seen[0] + b * seen[1], 1e-12)
+
+
+def _fit_without_outlier(seen: list[tuple[float, float, float]]) -> tuple[float, float]:
+    a, b = _fit(seen)
+    if len(seen) >= 3:
+        worst = max(range(len(seen)), key=lambda i: seen[i][2] / _cost(a, b, seen[i]))
+        rest = seen[:worst] + seen[worst + 1 :]
+        a_r, b_r = _fit(rest)
+        if seen[worst][2] > OUTLIER * _cost(a_r, b_r, seen[worst]):
+            return a_r, b_r
+    return a, b
 
 
 def _fit(seen: list[tuple[float, float, float]]) -> tuple[float, float]:
