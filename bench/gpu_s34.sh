@@ -1,6 +1,7 @@
 #!/bin/bash
 # For the next device call (H100 or H200). carry [".whl"]. Both modes aim at q 16 at batch 1
 # x 32k keys (0.75 of copy on an H100, issue 5's target 0.80).
+# (SPLITFLASH_ATTN_PARTIALS, mode p, was removed in session 37 after it lost: RESULTS session 35.)
 #   bash bench/gpu_s34.sh p   (~330 s) split partials in fp32 (shipped) against q's dtype
 #        (SPLITFLASH_ATTN_PARTIALS=input: half their bytes) at 1.5-4 programs per SM, the
 #        issue's shape (q 16; batch 1 x 8k / 32k / 128k, batch 8 x 32k) and the default

@@ -136,6 +136,37 @@ def _engine_step_ms(engine, batch: int, q_len: int, reps: int, mixed: bool = Fal
     return sorted(times)[len(times) // 2]
 
 
+def _run_host_us(engine, step, ids, entry, reps: int) -> dict:
+    """Median host microseconds of the parts of VerifyGraphs.run before and around the
+    replay, each timed alone on an idle GPU (no sync inside the timed span): what the
+    graph figure spends beyond the replay's own GPU time."""
+    import torch
+
+    from splitflash.models.step_inputs import pack
+
+    graphs = engine.graphs
+    key = graphs.key_for(step.q_lens, step.kv_lens)
+    width = engine.cache.pages_for(key[2])
+    parts = {
+        "pack": lambda: pack(step, width, pin=True),
+        "load": lambda: graphs._load(entry.buf, step, key),
+        "replay_call": entry.graph.replay,
+        "run_call": lambda: graphs.run(step, ids),
+        "sync_idle": torch.cuda.synchronize,
+    }
+    out = {}
+    for name, fn in parts.items():
+        times = []
+        for _ in range(reps + 3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+        out[name] = sorted(times[3:])[reps // 2]
+    print("    host us: " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()), flush=True)
+    return out
+
+
 def kernel_profile(fn, steps: int = 5, top: int = 14) -> dict:
     """GPU time per step of each kernel (torch.profiler/CUPTI) over `steps` calls of fn:
     where a step's time goes. Kernel durations are the same eager or replayed; the gap
@@ -172,6 +203,7 @@ def measure(
     invariant: bool = False,
     shape: str = "smollm2-135m",
     mixed: bool = False,
+    breakdown: bool = False,
 ):
     """One row: eager and graphed step times at `context` keys per request (mixed: the
     engine.verify steps draft mixed lengths, see _engine_step_ms)."""
@@ -196,6 +228,7 @@ def measure(
         graph_ms = _median_ms(lambda: engine.graphs.run(step, ids), reps)
         entry = next(iter(engine.graphs._graphs.values()))
         replay_ms = _median_ms(entry.graph.replay, reps) if entry.graph else float("nan")
+        host = _run_host_us(engine, step, ids, entry, reps) if breakdown else None
         step_ms = _engine_step_ms(engine, batch, q_len, reps, mixed)
         saved, engine.graphs = engine.graphs, None
         eager_step_ms = _engine_step_ms(engine, batch, q_len, reps, mixed)
@@ -222,7 +255,8 @@ def measure(
                graph_ms=graph_ms, batch_ms=batch_ms,
                replay_ms=replay_ms, step_ms=step_ms, eager_step_ms=eager_step_ms,
                weight_mb=weight_bytes / 1e6, kv_mb=kv_bytes / 1e6,
-               floor_ms=floor_ms, graph_over_floor=graph_ms / floor_ms, profile=prof)  # fmt: skip
+               floor_ms=floor_ms, graph_over_floor=graph_ms / floor_ms, profile=prof,
+               host_us=host)  # fmt: skip
     return row
 
 
@@ -238,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--json-out", default=None)
     p.add_argument("--profile", action="store_true", help="per-kernel GPU time of a step")
+    p.add_argument("--breakdown", action="store_true",
+                   help="host us of the graph path: pack, load, replay")  # fmt: skip
     p.add_argument("--mixed-drafts", action="store_true",
                    help="engine.verify steps whose requests draft different lengths")  # fmt: skip
     p.add_argument("--batch-invariant", action="store_true",
@@ -260,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             for q in args.q_lens:
                 r = measure(ctx, b, q, copy, args.reps, profile=args.profile,
                             invariant=args.batch_invariant, shape=args.shape,
-                            mixed=args.mixed_drafts)  # fmt: skip
+                            mixed=args.mixed_drafts, breakdown=args.breakdown)  # fmt: skip
                 r["batch_invariant"], r["mixed_drafts"] = args.batch_invariant, args.mixed_drafts
                 torch.cuda.empty_cache()  # the last engine's KV pool is garbage now
                 rows.append(r)

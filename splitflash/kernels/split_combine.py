@@ -7,8 +7,6 @@ main kernels use exp2). The true output is the LSE-weighted mean of the partials
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +17,7 @@ from splitflash.kernels.tuning import next_pow2
 
 @triton.jit
 def _combine_kernel(
-    part_out_ptr,  # [N, H, S, D] per-split normalised outputs (fp32 or bf16 / fp16)
+    part_out_ptr,  # [N, H, S, D] fp32 per-split normalised outputs
     part_lse_ptr,  # [N, H, S] fp32: per-split log2-sum-exp2 (-inf: split saw no key)
     out_ptr,  # [N, H, D] output dtype
     num_splits,
@@ -49,16 +47,6 @@ def _combine_kernel(
     acc = tl.sum(o * w[:, None], axis=0) / w_sum  # [BLOCK_D]
     dst = out_ptr + (row * H + head) * D + offs_d
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=offs_d < D)
-
-
-def partial_dtype(q: torch.Tensor) -> torch.dtype:
-    """dtype of the split partial outputs for queries q: fp32 (the default), or with
-    SPLITFLASH_ATTN_PARTIALS=input q's own dtype: half the partials' bytes at bf16 / fp16, an
-    experiment queued for the GPU (bench/gpu_s34.sh) and not yet measured."""
-    mode = os.environ.get("SPLITFLASH_ATTN_PARTIALS", "fp32")
-    if mode not in ("fp32", "input"):
-        raise ValueError(f"SPLITFLASH_ATTN_PARTIALS must be fp32 or input, got {mode!r}")
-    return q.dtype if mode == "input" else torch.float32
 
 
 def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from splitflash.kernels.kv_splits import SPLIT_ALIGN, default_waves, plan_launch, plan_splits
 from splitflash.kernels.tuning import autotune_prune, draft_pick, measured_pick, pick_block_m
-from tests.unit.kernel_env import needs_gpu, needs_triton
+from tests.unit.kernel_env import needs_triton
 from tests.unit.test_kernels_paged import check_against_oracle, make_case
 
 F32 = torch.float32
@@ -152,33 +152,6 @@ def test_draft_attention_has_a_pick_on_hopper_only():
     assert draft_pick((9, 0), 64) == (64, 4, 4)
     assert draft_pick((9, 0), 128)[2] <= 3
     assert draft_pick((8, 0), 64) is None
-
-
-@needs_triton
-@pytest.mark.parametrize(
-    "dtype",
-    [torch.float16, pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, needs_gpu])],
-    ids=["fp16", "bf16-gpu"],
-)
-def test_partials_in_the_input_dtype_match_the_oracle(monkeypatch, dtype):
-    """SPLITFLASH_ATTN_PARTIALS=input: the splits' partial outputs stored in q's dtype and
-    widened by the combine; still within the oracle's bound (6 splits, two requests)."""
-    from splitflash.kernels.split_combine import partial_dtype
-
-    monkeypatch.setenv("SPLITFLASH_ATTN_PARTIALS", "input")
-    case = make_case([1000, 300], [16, 9], 8, 2, 16, 16, dtype, seed=13)
-    assert partial_dtype(case["q"]) == dtype
-    check_against_oracle(case, dtype, num_splits=6)
-
-
-def test_partials_setting_is_checked(monkeypatch):
-    from splitflash.kernels.split_combine import partial_dtype
-
-    q = torch.zeros(1, 1, 8, dtype=torch.float16)
-    assert partial_dtype(q) == torch.float32  # unset: fp32
-    monkeypatch.setenv("SPLITFLASH_ATTN_PARTIALS", "bf16")
-    with pytest.raises(ValueError, match="SPLITFLASH_ATTN_PARTIALS must be fp32 or input"):
-        partial_dtype(q)
 
 
 @needs_triton
