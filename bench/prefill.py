@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cudnn-min-work", type=float, nargs="*", default=[],
                    help="also: each run again with chunk_attention.CUDNN_MIN_WORK set to this "
                    "(0: every chunk through cuDNN)")  # fmt: skip
+    p.add_argument("--warm-up", action="store_true",
+                   help="run the verify service's start-up warm-up (warmup.warm_up, the "
+                   "prefill part included) first and report its seconds: the first run then "
+                   "shows what a server's first prompt costs")  # fmt: skip
     p.add_argument("--json-out", type=Path, default=None)
     p.add_argument("--verbose", action="store_true", help="print every chunk's size and time")
     p.add_argument("--shape", default=None,
@@ -101,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--chunks must be >= 0 (0: whole prompt), --reps >= 1, --chunk-ms > 0")
     engine, prompts = _random_setup(args) if args.shape else _checkpoint_setup(args)
     from splitflash.models import chunk_attention
+
+    warm_s = None
+    if args.warm_up:
+        from splitflash.services.verify.warmup import warm_up
+
+        warm_s = warm_up(engine)
+        print(f"start-up warm-up {warm_s:.2f} s", flush=True)
 
     shipped = chunk_attention.CUDNN_MIN_WORK
     cuda = args.device.startswith("cuda")
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_attention.CUDNN_MIN_WORK = work
             for chunk, budget_ms in runs:
                 row = measure(engine, prompt, chunk, args.reps, cuda, budget_ms, args.verbose)
-                rows.append(dict(row, cudnn_min_work=work))
+                rows.append(dict(row, cudnn_min_work=work, warm_up_seconds=warm_s))
                 peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
                 name = f"{budget_ms:g} ms" if budget_ms else chunk or "whole"
                 print(f"ctx {ctx:>7} chunk {name:>6} cudnn from {work:.2g}: {row['seconds']:.3f}"
@@ -157,7 +168,8 @@ def _checkpoint_setup(args):
 
     room = max(args.contexts) + 64
     settings = VerifySettings(target=args.target, device=args.device, max_context=room,
-                              kv_pages=-(-room // 16) + 16, cuda_graphs=False)  # fmt: skip
+                              kv_pages=-(-room // 16) + 16, cuda_graphs=False,
+                              warmup=False)  # main runs it with --warm-up  # fmt: skip
     engine = load_engine(settings)
     drafter_config = DFlashConfig.from_json(default_drafter_path(args.target) / CONFIG_FILE)
     engine.feature_layer_ids = drafter_config.target_layer_ids

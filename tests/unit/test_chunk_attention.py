@@ -207,3 +207,43 @@ def test_the_flash_check_fails_a_log_sum_exp_of_another_convention(monkeypatch, 
     monkeypatch.setattr(mod, "_attend_lse", attend)
     monkeypatch.setattr(mod, "_flash_checked", {})
     assert mod.flash_lse_agrees(torch.device("cpu"), torch.float32, 16) == (lse_as == "natural")
+
+
+def test_the_aligned_chunk_starts_are_the_full_chunks_after_others():
+    # a 185k prompt in chunks of 8192: chunk k after k x 8192 keys, the 22nd (4776 tokens)
+    # partial; full chunks after others at 8192 .. 172032
+    starts = mod.aligned_chunk_starts(8192, 185_000)
+    assert starts == list(range(8192, 172_033, 8192)) and len(starts) == 21
+    assert mod.aligned_chunk_starts(8192, 16384) == [8192]
+    assert mod.aligned_chunk_starts(8192, 16383) == []
+    assert mod.aligned_chunk_starts(2048 + 256, 10_000) == [2304, 4608, 6912]  # 9216 <= 10k
+    assert mod.aligned_chunk_starts(8000, 185_000) == []  # not aligned: never recurring-cuDNN
+    assert mod.aligned_chunk_starts(1024, 185_000) == []  # under CUDNN_MIN_CHUNK
+
+
+def test_prebuild_does_nothing_off_cuda(monkeypatch):
+    monkeypatch.setattr(mod, "_asked", set())
+    assert mod.prebuild(torch.device("cpu"), torch.float32, 9, 64, 2048, [2048], 0.125) == 0
+    assert not mod._asked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_prebuilt_shape_takes_cudnn_at_its_first_real_chunk(monkeypatch):
+    """After prebuild the first chunk of that shape in a prompt goes to cuDNN (its graph
+    was built at start-up) and still equals the masked chunk; a shape not prebuilt of the
+    same small work goes to FlashAttention."""
+    monkeypatch.setattr(mod, "_asked", set())
+    assert mod.prebuild(torch.device("cuda"), torch.bfloat16, 9, 64, 2048, [4096], 0.125) == 1
+    seen = []
+    real = mod._attend_lse
+    monkeypatch.setattr(mod, "_attend_lse", lambda *a: seen.append(a[-1]) or real(*a))
+    for cached, cudnn in ((4096, True), (6144, False)):
+        q, k, v = _case(2048, cached, "cuda", torch.bfloat16, heads=9, dim=64)
+        q = q[0].transpose(0, 1).contiguous().transpose(0, 1)[None]  # the model's layout
+        got = chunk_attention(q, k, v, 0.125).float()
+        want = _masked(q.float(), k.float(), v.float(), 0.125)
+        low = _masked(q, k, v, 0.125).float()
+        assert (got - want).abs().max() <= 2 * (low - want).abs().max() + 1e-3
+        assert seen == [cudnn, cudnn], cached
+        seen.clear()

@@ -44,6 +44,44 @@ def test_verify_warm_up_leaves_no_trace(caplog):
         torch.testing.assert_close(b[2], a[2], rtol=0, atol=0)
 
 
+def test_the_prefill_warm_up_runs_a_prompt_in_chunks_and_leaves_no_trace(monkeypatch, caplog):
+    """A throwaway prompt of one chunk and PREFILL_TAIL more tokens through the prefill path
+    (here: chunks of 64, so the whole-prompt and after-cached chunk paths both run), then the
+    cuDNN prebuild, which asks for every aligned chunk start the pool holds (none built off
+    CUDA); past PREBUILD_MAX_S the rest is left for the first prompts, with a warning."""
+    import splitflash.services.verify.warmup as warmup
+
+    model = tiny_model()
+    plain, engine = _engine(model, graphs=False), _engine(model, graphs=False)
+    engine.prefill_chunk = plain.prefill_chunk = 64
+    free = engine.cache.free_pages
+    chunks, asked = [], []
+    real = engine.start_prefill
+
+    def spy(rid, prompt, *rest):
+        run = real(rid, prompt, *rest)
+        advance = run.advance
+        run.advance = lambda *a: chunks.append(len(prompt)) or advance(*a)
+        return run
+
+    monkeypatch.setattr(engine, "start_prefill", spy)
+    monkeypatch.setattr(warmup, "aligned_chunk_starts", lambda c, room: asked.append(
+        (c, room)) or [4096, 8192])  # fmt: skip
+    monkeypatch.setattr(warmup, "prebuild", lambda *a: asked.append(a[-2]) or 0)
+    assert warmup.warm_prefill(engine) == 0
+    assert chunks == [364] * 6  # 64 + 300 tokens in chunks of 64
+    assert asked == [(64, free * engine.cache.page_size), [4096], [8192]]
+    assert engine.cache.free_pages == free and not engine.seqs
+    monkeypatch.setattr(warmup, "PREBUILD_MAX_S", -1.0)
+    with caplog.at_level(logging.WARNING, "splitflash.services.verify.warmup"):
+        assert warmup.warm_prefill(engine) == 0
+    assert "0 of 2 chunk shapes built" in caplog.text
+    assert asked[-1] == asked[0] and engine.cache.free_pages == free and not engine.seqs
+    prompts, blocks = [[3, 1, 4, 1, 5], list(range(2, 90))], [4, 1, 4]
+    want, got = _run(plain, prompts, blocks, seed=4), _run(engine, prompts, blocks, seed=4)
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+
+
 def test_verify_warm_up_skips_what_the_pool_cannot_hold():
     engine = _engine(tiny_model(), graphs=False)
     room = engine.cache.free_pages * engine.cache.page_size

@@ -19,8 +19,10 @@ import uuid
 
 import torch
 
+from splitflash.models.chunk_attention import aligned_chunk_starts, prebuild
 from splitflash.models.step_inputs import upload
 from splitflash.services.verify.engine import TargetEngine
+from splitflash.services.verify.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -34,22 +36,36 @@ log = logging.getLogger(__name__)
 # are padded to a power of two: VerifyGraphs.padded_block_len), so its graph is used too.
 WARM_CONTEXTS = (300, 3000, 20000)
 WARM_Q_LENS = (1, 8, 16)
+# The prefill path: a throwaway prompt of one whole chunk and PREFILL_TAIL tokens more runs
+# the whole-prompt attention, a chunk's attention after cached keys and the long-block
+# kernels once, so they compile and initialise (FlashAttention, cuDNN) before the first
+# prompt. Then the cuDNN graphs of the shapes every long prompt in chunks meets are built
+# (chunk_attention.prebuild), for PREBUILD_MAX_S at most. An H100 without this: the first
+# call of cuDNN in a process ~1.3 s, each new shape 44-60 ms (bench/RESULTS.md "Session 36").
+PREFILL_TAIL = 300
+PREBUILD_MAX_S = 30.0
 
 
 def warm_up(
     engine: TargetEngine,
     contexts: tuple[int, ...] = WARM_CONTEXTS,
     q_lens: tuple[int, ...] = WARM_Q_LENS,
+    prefill: bool = True,
 ) -> float:
-    """Run one step per (context, q_len) on a throwaway request; returns the seconds taken.
-    Contexts the engine or its KV pool cannot hold are left out. The engine's requests and
-    KV pool are as they were afterwards."""
+    """Run one step per (context, q_len) on a throwaway request, then (prefill) the prefill
+    warm-up; returns the seconds taken. Contexts the engine or its KV pool cannot hold are
+    left out. The engine's requests and KV pool are as they were afterwards."""
     t0 = time.perf_counter()
     shapes = [(c, q) for c in contexts for q in q_lens if c + q <= _room(engine)]
     _run_shapes(engine, shapes, t0)
     if engine.graphs is not None:
         n, seconds = engine.graphs.pop_capture_stats()
         log.info("warm-up captured %d verify graphs in %.1f s", n, seconds)
+    if prefill:
+        try:
+            warm_prefill(engine)
+        except Exception:  # e.g. out of memory beside a large KV pool: serve without it
+            log.exception("prefill warm-up failed; the first prompts pay its costs instead")
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     return time.perf_counter() - t0
@@ -97,6 +113,36 @@ class IdleWarmUp:
         if self.done:
             log.info("verify warm-up for feature layers %s done (%.1f s)", list(self.layers),
                      self.seconds)  # fmt: skip
+
+
+def warm_prefill(engine: TargetEngine) -> int:
+    """A throwaway prompt through the prefill path, then cuDNN's chunk shapes up to what
+    the pool holds (see PREFILL_TAIL); returns the shapes built. Requests as before."""
+    t0 = time.perf_counter()
+    room = _room(engine)
+    rid = f"warmup-{uuid.uuid4().hex}"
+    try:
+        run = engine.start_prefill(rid, [0] * min(room - 1, engine.prefill_chunk + PREFILL_TAIL),
+                                   Sampling(), frozenset(), 1)  # fmt: skip
+        while run.advance() is None:
+            pass
+    finally:
+        engine.release(rid)
+    cfg, dtype = engine.model.cfg, engine.model.embed_tokens.weight.dtype
+    starts = aligned_chunk_starts(engine.prefill_chunk, room)
+    built = 0
+    with torch.inference_mode():
+        for cached in starts:
+            if time.perf_counter() - t0 > PREBUILD_MAX_S:
+                log.warning("prefill warm-up: %d of %d chunk shapes built in %.0f s; the "
+                            "first prompts past %d tokens build the rest", built, len(starts),
+                            PREBUILD_MAX_S, cached)  # fmt: skip
+                break
+            built += prebuild(engine.device, dtype, cfg.num_heads, cfg.head_dim,
+                              engine.prefill_chunk, [cached], cfg.head_dim**-0.5)  # fmt: skip
+    log.info("prefill warm-up done in %.1f s (%d chunk shapes built for cuDNN)",
+             time.perf_counter() - t0, built)  # fmt: skip
+    return built
 
 
 def _room(engine: TargetEngine) -> int:
