@@ -120,6 +120,8 @@ def warm_prefill(engine: TargetEngine) -> int:
     the pool holds (see PREFILL_TAIL); returns the shapes built. Requests as before."""
     t0 = time.perf_counter()
     room = _room(engine)
+    if room < 2:
+        return 0
     rid = f"warmup-{uuid.uuid4().hex}"
     try:
         run = engine.start_prefill(rid, [0] * min(room - 1, engine.prefill_chunk + PREFILL_TAIL),
