@@ -1,9 +1,9 @@
 #!/bin/bash
 # Session 37, on a GPU (carry [".whl"]):
-#   bash bench/gpu_s37.sh a   (~330 s) the graph path's host parts (verify_step --breakdown);
+#   bash bench/gpu_s37.sh a   (~500 s) the graph path's host parts (verify_step --breakdown);
 #        session 36's queued run of the aligned cuDNN rule (gpu_s36.sh b); a server's first
 #        185k prompt with and without the start-up warm-up's prefill part, each in a fresh
-#        process with an empty Triton cache; the chunk attention / warm-up GPU tests
+#        process with an empty Triton cache; every GPU test
 #   bash bench/gpu_s37.sh all (~230 s) every GPU test
 source bench/gpu_setup.sh
 
@@ -16,8 +16,7 @@ if [ "$1" = a ]; then
       --contexts 185000 --chunks 8192 --reps 1 $w --json-out "$OUT/prefill_first${w}_s37.json" \
       2>&1 | grep "^ctx\|warm-up"
   done
-  timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_chunk_attention.py \
-    tests/unit/test_warmup.py 2>&1 | tail -2
+  timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4
 elif [ "$1" = all ]; then
   timeout 290 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4
 fi
