@@ -9,7 +9,7 @@ source bench/gpu_setup.sh
 
 if [ "$1" = a ]; then
   timeout 100 python3 -m bench.verify_step --contexts 512 185000 --q-lens 16 --reps 40 \
-    --breakdown --json-out "$OUT/verify_step_breakdown_s37.json" 2>&1 | grep -v Warn | tail -7
+    --breakdown --json-out "$OUT/verify_step_breakdown_s37.json" 2>&1 | grep -v Warn | tail -9
   bash bench/gpu_s36.sh b
   for w in "" --warm-up; do
     TRITON_CACHE_DIR=$(mktemp -d) timeout 100 python3 -m bench.prefill --shape smollm2-135m \
