@@ -1,15 +1,16 @@
 #!/bin/bash
 # Session 37, on a GPU (carry [".whl"]):
-#   bash bench/gpu_s37.sh a   (~500 s) the graph path's host parts (verify_step --breakdown);
-#        session 36's queued run of the aligned cuDNN rule (gpu_s36.sh b); a server's first
+#   bash bench/gpu_s37.sh h   (~60 s) the graph path's host parts (verify_step --breakdown)
+#   bash bench/gpu_s37.sh a   (~420 s) session 36's queued run of the aligned cuDNN rule (gpu_s36.sh b); a server's first
 #        185k prompt with and without the start-up warm-up's prefill part, each in a fresh
 #        process with an empty Triton cache; every GPU test
 #   bash bench/gpu_s37.sh all (~230 s) every GPU test
 source bench/gpu_setup.sh
 
-if [ "$1" = a ]; then
+if [ "$1" = h ]; then
   timeout 100 python3 -m bench.verify_step --contexts 512 185000 --q-lens 16 --reps 40 \
     --breakdown --json-out "$OUT/verify_step_breakdown_s37.json" 2>&1 | grep -v Warn | tail -9
+elif [ "$1" = a ]; then
   bash bench/gpu_s36.sh b
   for w in "" --warm-up; do
     TRITON_CACHE_DIR=$(mktemp -d) timeout 100 python3 -m bench.prefill --shape smollm2-135m \
