@@ -1,8 +1,8 @@
 #!/bin/bash
 # Session 37, on a GPU (carry [".whl"]):
 #   bash bench/gpu_s37.sh h   (~60 s) the graph path's host parts (verify_step --breakdown)
-#   bash bench/gpu_s37.sh a   (~420 s) session 36's queued run of the aligned cuDNN rule (gpu_s36.sh b); a server's first
-#        185k prompt with and without the start-up warm-up's prefill part, each in a fresh
+#   bash bench/gpu_s37.sh a   (~420 s) session 36's queued run of the aligned cuDNN rule
+#        (gpu_s36.sh b); a server's first 185k prompt with and without the start-up warm-up's prefill part, each in a fresh
 #        process with an empty Triton cache; every GPU test
 #   bash bench/gpu_s37.sh all (~230 s) every GPU test
 source bench/gpu_setup.sh
