@@ -3,7 +3,8 @@
 #   bash bench/gpu_s37.sh h   (~60 s) the graph path's host parts (verify_step --breakdown)
 #   bash bench/gpu_s37.sh a   (~420 s) session 36's queued run of the aligned cuDNN rule
 #        (gpu_s36.sh b); a server's first 185k prompt with and without the start-up warm-up's prefill part, each in a fresh
-#        process with an empty Triton cache; every GPU test
+#        process with an empty Triton cache; every GPU test (a short: only those of the
+#        chunk attention, the warm-ups and the paged kernel's paths, ~250 s in all)
 #   bash bench/gpu_s37.sh all (~230 s) every GPU test
 source bench/gpu_setup.sh
 
@@ -17,7 +18,12 @@ elif [ "$1" = a ]; then
       --contexts 185000 --chunks 8192 --reps 1 $w --json-out "$OUT/prefill_first${w}_s37.json" \
       2>&1 | grep "^ctx\|warm-up"
   done
-  timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4
+  if [ "$2" = short ]; then  # the GPU tests of this session's changes only
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_chunk_attention.py \
+      tests/unit/test_warmup.py tests/unit/test_kernels_paged_paths.py 2>&1 | tail -3
+  else
+    timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4
+  fi
 elif [ "$1" = all ]; then
   timeout 290 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4
 fi
