@@ -122,17 +122,24 @@ def prebuild(device: torch.device, dtype: torch.dtype, heads: int, dim: int, chu
     """Run a chunk of `chunk` queries after each of `starts` cached keys through
     chunk_attention, asked for twice so the rule takes cuDNN: its execution graph of each
     shape is built here, at start-up, not inside a client's prompt (44-60 ms a shape on an
-    H100, and the process's first cuDNN call ~1.3 s). The layouts are those of
-    attention.causal_attention_torch: q a [c, H, D] tensor seen as [1, H, c, D], k / v
-    contiguous [1, H, L, D]. Returns the shapes run (0 off CUDA or where no split is taken)."""
-    q = torch.zeros(chunk, heads, dim, device=device, dtype=dtype).transpose(0, 1)[None]
+    H100, and the process's first cuDNN call ~1.3 s), with the layouts of a real chunk
+    (chunk_inputs). Returns the shapes run (0 off CUDA or where no split is taken)."""
+    q, _ = chunk_inputs(device, dtype, heads, dim, chunk, 0)
     if not q.is_cuda or not split_chosen(q):
         return 0
     for cached in starts:
-        k = torch.zeros(1, heads, cached + chunk, dim, device=device, dtype=dtype)
+        q, k = chunk_inputs(device, dtype, heads, dim, chunk, cached)
         cudnn_pays((q.device, dtype, False, heads, dim), chunk, cached)  # the first ask
         chunk_attention(q, k, k, scale)
     return len(starts)
+
+
+def chunk_inputs(device, dtype, heads: int, dim: int, chunk: int, cached: int):
+    """Zero q [1, H, chunk, D] and k [1, H, cached + chunk, D] laid out as
+    attention.causal_attention_torch lays out a chunk's (a cuDNN graph is built for the
+    strides too): q a view of [chunk, H, D], k contiguous."""
+    q = torch.zeros(chunk, heads, dim, device=device, dtype=dtype).transpose(0, 1)[None]
+    return q, torch.zeros(1, heads, cached + chunk, dim, device=device, dtype=dtype)
 
 
 _flash_checked: dict[tuple, bool] = {}

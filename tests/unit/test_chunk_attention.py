@@ -227,6 +227,28 @@ def test_prebuild_does_nothing_off_cuda(monkeypatch):
     assert not mod._asked
 
 
+def test_prebuild_lays_its_chunks_out_as_a_prefill_does(monkeypatch):
+    """cuDNN builds a graph per shape and strides, so what prebuild runs (chunk_inputs) must
+    be laid out as a real prefill's chunks: a whole first chunk, then one after cached keys."""
+    import splitflash.models.attention as attention
+
+    seen = []
+    real = attention.chunk_attention
+    monkeypatch.setattr(attention, "chunk_attention",
+                        lambda q, k, v, s: seen.append((q, k, v)) or real(q, k, v, s))  # fmt: skip
+    model = tiny_model()
+    engine = tiny_engine(model, pages=96)
+    engine.prefill_chunk = 80
+    engine.prefill("r", [(i * 37 + 11) % 97 for i in range(150)], Sampling(), (), 10)
+    assert {(q.shape[2], k.shape[2]) for q, k, _ in seen} == {(80, 80), (70, 150)}
+    cfg = model.cfg
+    for q, k, v in seen:
+        chunk, cached = q.shape[2], k.shape[2] - q.shape[2]
+        pq, pk = mod.chunk_inputs("cpu", q.dtype, cfg.num_heads, cfg.head_dim, chunk, cached)
+        assert (pq.shape, pq.stride()) == (q.shape, q.stride())
+        assert (pk.shape, pk.stride()) == (k.shape, k.stride()) == (v.shape, v.stride())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_prebuilt_shape_takes_cudnn_at_its_first_real_chunk(monkeypatch):
