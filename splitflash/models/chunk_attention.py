@@ -130,7 +130,10 @@ def prebuild(device: torch.device, dtype: torch.dtype, heads: int, dim: int, chu
     for cached in starts:
         q, k = chunk_inputs(device, dtype, heads, dim, chunk, cached)
         cudnn_pays((q.device, dtype, False, heads, dim), chunk, cached)  # the first ask
-        chunk_attention(q, k, k, scale)
+        # The split itself, not chunk_attention: an error here (out of memory beside the KV
+        # pool, at a length no prompt may reach) goes to the caller instead of sending every
+        # later chunk of the process to the masked path.
+        chunk_attention_split(q, k, k, scale)
     return len(starts)
 
 

@@ -82,6 +82,27 @@ def test_the_prefill_warm_up_runs_a_prompt_in_chunks_and_leaves_no_trace(monkeyp
     assert [r[:2] for r in got] == [r[:2] for r in want]
 
 
+def test_a_shape_that_fails_to_build_ends_the_prebuild_with_a_warning(monkeypatch, caplog):
+    """Out of memory at a long shape (beside the KV pool) stops the prebuild there: the
+    shapes before it stay built, the server starts, later prompts build the rest."""
+    import splitflash.services.verify.warmup as warmup
+
+    engine = _engine(tiny_model(), graphs=False)
+    free = engine.cache.free_pages
+
+    def prebuild(*args):
+        if args[-2] == [8192]:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return 1
+
+    monkeypatch.setattr(warmup, "aligned_chunk_starts", lambda c, room: [4096, 8192, 12288])
+    monkeypatch.setattr(warmup, "prebuild", prebuild)
+    with caplog.at_level(logging.WARNING, "splitflash.services.verify.warmup"):
+        assert warmup.warm_prefill(engine) == 1
+    assert "the chunk shape after 8192 keys failed (CUDA out of memory" in caplog.text
+    assert engine.cache.free_pages == free and not engine.seqs
+
+
 def test_verify_warm_up_skips_what_the_pool_cannot_hold():
     engine = _engine(tiny_model(), graphs=False)
     room = engine.cache.free_pages * engine.cache.page_size

@@ -130,20 +130,32 @@ def warm_prefill(engine: TargetEngine) -> int:
             pass
     finally:
         engine.release(rid)
-    cfg, dtype = engine.model.cfg, engine.model.embed_tokens.weight.dtype
-    starts = aligned_chunk_starts(engine.prefill_chunk, room)
-    built = 0
-    with torch.inference_mode():
-        for cached in starts:
-            if time.perf_counter() - t0 > PREBUILD_MAX_S:
-                log.warning("prefill warm-up: %d of %d chunk shapes built in %.0f s; the "
-                            "first prompts past %d tokens build the rest", built, len(starts),
-                            PREBUILD_MAX_S, cached)  # fmt: skip
-                break
-            built += prebuild(engine.device, dtype, cfg.num_heads, cfg.head_dim,
-                              engine.prefill_chunk, [cached], cfg.head_dim**-0.5)  # fmt: skip
+    built = _prebuild_shapes(engine, aligned_chunk_starts(engine.prefill_chunk, room), t0)
+    if engine.device.type == "cuda":  # the cached blocks of a long chunk's K/V, to the
+        torch.cuda.empty_cache()  # driver: a drafter on this GPU may be starting beside it
     log.info("prefill warm-up done in %.1f s (%d chunk shapes built for cuDNN)",
              time.perf_counter() - t0, built)  # fmt: skip
+    return built
+
+
+@torch.inference_mode()
+def _prebuild_shapes(engine: TargetEngine, starts: list[int], t0: float) -> int:
+    """chunk_attention.prebuild at each start until PREBUILD_MAX_S after t0 or an error."""
+    cfg, dtype = engine.model.cfg, engine.model.embed_tokens.weight.dtype
+    built = 0
+    for cached in starts:
+        if time.perf_counter() - t0 > PREBUILD_MAX_S:
+            log.warning("prefill warm-up: %d of %d chunk shapes built in %.0f s; the first "
+                        "prompts past %d tokens build the rest", built, len(starts),
+                        PREBUILD_MAX_S, cached)  # fmt: skip
+            break
+        try:
+            built += prebuild(engine.device, dtype, cfg.num_heads, cfg.head_dim,
+                              engine.prefill_chunk, [cached], cfg.head_dim**-0.5)  # fmt: skip
+        except RuntimeError as err:  # e.g. out of memory beside the KV pool
+            log.warning("prefill warm-up: the chunk shape after %d keys failed (%s); prompts "
+                        "that long build theirs when they come", cached, err)  # fmt: skip
+            break
     return built
 
 
