@@ -119,11 +119,12 @@ def aligned_chunk_starts(chunk: int, max_keys: int) -> list[int]:
 
 def prebuild(device: torch.device, dtype: torch.dtype, heads: int, dim: int, chunk: int,
              starts: list[int], scale: float) -> int:  # fmt: skip
-    """Run a chunk of `chunk` queries after each of `starts` cached keys through
-    chunk_attention, asked for twice so the rule takes cuDNN: its execution graph of each
-    shape is built here, at start-up, not inside a client's prompt (44-60 ms a shape on an
-    H100, and the process's first cuDNN call ~1.3 s), with the layouts of a real chunk
-    (chunk_inputs). Returns the shapes run (0 off CUDA or where no split is taken)."""
+    """Run a chunk of `chunk` queries after each of `starts` cached keys through the split
+    chunk attention, its shape asked for twice so the rule takes cuDNN: cuDNN's execution
+    graphs of both halves are built here, at start-up, not inside a client's prompt (44-60
+    ms a shape on an H100, and the process's first cuDNN calls ~1.3 s), with the layouts of
+    a real chunk (chunk_inputs). Returns the shapes run (0 off CUDA or where no split is
+    taken)."""
     q, _ = chunk_inputs(device, dtype, heads, dim, chunk, 0)
     if not q.is_cuda or not split_chosen(q):
         return 0
