@@ -130,7 +130,7 @@ def prebuild(device: torch.device, dtype: torch.dtype, heads: int, dim: int, chu
         return 0
     for cached in starts:
         q, k = chunk_inputs(device, dtype, heads, dim, chunk, cached)
-        cudnn_pays((q.device, dtype, False, heads, dim), chunk, cached)  # the first ask
+        cudnn_chosen(q, cached)  # the first ask of the shape; the split's is the second
         # The split itself, not chunk_attention: an error here (out of memory beside the KV
         # pool, at a length no prompt may reach) goes to the caller instead of sending every
         # later chunk of the process to the masked path.
